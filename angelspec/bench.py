@@ -1,0 +1,236 @@
+"""`angelspec bench`: every drafter on the same prompts, side by side in one process.
+
+Reports per drafter and domain: tokens/s, mean accept length (tokens per target forward), speedup
+over `ar` (this engine, autoregressive), the weight bandwidth achieved next to the machine's own,
+and `lossless` (greedy output identical to batch-1 `ar`; a divergence where the target's top-2
+logit margin is below `eps` is a near-tie, counted in `near_ties` instead of failing).
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from angelspec.checkpoint import Target
+from angelspec.drafters import canonical
+from angelspec.model import Segment
+from angelspec.runtime import Engine, Request, SamplingParams
+
+DEFAULT_PROMPTS = pathlib.Path(__file__).with_name("data") / "prompts.jsonl"
+NEAR_TIE_EPS = 1e-4
+
+
+def load_prompts(path: str | pathlib.Path | None, limit: int | None = None) -> list[dict]:
+    """JSONL with `prompt` and `domain` per line; `limit` keeps the first N of each domain."""
+    path = pathlib.Path(path or DEFAULT_PROMPTS)
+    rows, seen = [], {}
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        if not isinstance(row.get("prompt"), str) or not row["prompt"]:
+            raise ValueError(f"{path}:{i}: each line needs a non-empty string `prompt`")
+        row.setdefault("domain", "other")
+        seen[row["domain"]] = seen.get(row["domain"], 0) + 1
+        if limit is None or seen[row["domain"]] <= limit:
+            rows.append(row)
+    if not rows:
+        raise ValueError(f"{path}: no prompts")
+    return rows
+
+
+def stream_bandwidth(mb: int = 1024, reps: int = 5) -> float:
+    """Machine's streaming read bandwidth in GB/s (best of `reps` sums over an `mb` MB buffer)."""
+    buf = torch.ones(mb * 2**20 // 4)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t0)
+    return buf.numel() * 4 / best / 1e9
+
+
+@dataclass
+class Run:
+    """One drafter's outputs and timings over all prompts."""
+    drafter: str
+    outputs: list[list[int]] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)  # per domain
+    steps: list[int] = field(default_factory=list)  # verification forwards per prompt
+    committed: list[int] = field(default_factory=list)  # tokens from those forwards
+
+
+def run_engine(engine: Engine, drafter: str, prompts: list[dict], ids: list[list[int]],
+               max_new: int, batch_size: int, desc: str) -> Run:
+    run = Run(drafter)
+    run.outputs = [None] * len(prompts)
+    run.steps, run.committed = [0] * len(prompts), [0] * len(prompts)
+    params = SamplingParams(max_new_tokens=max_new)
+    bar = tqdm(total=len(prompts), desc=desc, unit="prompt", file=sys.stderr, leave=False)
+    for domain in dict.fromkeys(p["domain"] for p in prompts):
+        idx = [i for i, p in enumerate(prompts) if p["domain"] == domain]
+        for c in range(0, len(idx), batch_size):
+            chunk = idx[c: c + batch_size]
+            t0 = time.perf_counter()
+            results = engine.generate([Request(ids[i], params, drafter) for i in chunk])
+            run.seconds[domain] = run.seconds.get(domain, 0.0) + time.perf_counter() - t0
+            for i, r in zip(chunk, results):
+                run.outputs[i] = r.tokens
+                run.steps[i], run.committed[i] = r.stats.steps, r.stats.committed
+            bar.update(len(chunk))
+    bar.close()
+    return run
+
+
+def run_hf(target: Target, prompts: list[dict], ids: list[list[int]], max_new: int) -> Run:
+    """transformers `generate()` (greedy, batch 1) on the same checkpoint: the outside reference."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(target.path), dtype=torch.float32).eval()
+    run = Run("hf")
+    eos = target.eos_ids or None
+    for i, p in enumerate(tqdm(prompts, desc="hf", unit="prompt", file=sys.stderr, leave=False)):
+        x = torch.tensor([ids[i]])
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new,
+                                 do_sample=False, eos_token_id=eos, pad_token_id=eos[0] if eos else 0)
+        run.seconds[p["domain"]] = run.seconds.get(p["domain"], 0.0) + time.perf_counter() - t0
+        run.outputs.append(out[0, x.shape[1]:].tolist())
+        run.steps.append(0)
+        run.committed.append(0)
+    return run
+
+
+def top2_margin(target: Target, tokens: list[int]) -> float:
+    """Target's top-2 logit margin for the token after `tokens` (batch 1, this engine)."""
+    model = target.model
+    cache = model.new_cache(1, len(tokens) + 1)
+    logits, _ = model.forward(torch.tensor(tokens), model.batch([Segment(0, 0, len(tokens))]),
+                              cache, logit_rows=torch.tensor([len(tokens) - 1]))
+    top = logits[0].topk(2).values
+    return float(top[0] - top[1])
+
+
+def compare(target: Target, ids: list[int], ref: list[int], out: list[int], eps: float) -> str:
+    """'same', 'near_tie' (first divergence at a near-tie of the target) or 'diverged'."""
+    if out == ref:
+        return "same"
+    j = next((k for k, (a, b) in enumerate(zip(ref, out)) if a != b), min(len(ref), len(out)))
+    if j >= min(len(ref), len(out)):  # one stopped where the other went on
+        return "diverged"
+    return "near_tie" if top2_margin(target, ids + ref[:j]) < eps else "diverged"
+
+
+def verify_cost(target: Target, context: int = 256, sizes=(1, 2, 4, 8, 16), reps: int = 9) -> dict:
+    """Median ms of one target forward over n new tokens after `context` cached tokens."""
+    model = target.model
+    cache = model.new_cache(1, context + max(sizes) + 1)
+    g = torch.Generator().manual_seed(0)
+    toks = torch.randint(0, target.config.vocab_size, (context + max(sizes),), generator=g)
+    model.forward(toks[:context], model.batch([Segment(0, 0, context)]), cache,
+                  logit_rows=torch.tensor([context - 1]))
+    out = {}
+    for n in sizes:
+        batch = model.batch([Segment(0, context, n)])
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            model.forward(toks[context: context + n], batch, cache)
+            times.append(time.perf_counter() - t0)
+        out[n] = statistics.median(times) * 1000
+    return {"context": context, "ms": out, "ratio_vs_1": {n: out[n] / out[1] for n in sizes}}
+
+
+def bench(target: Target, prompts: list[dict], drafters: list[str], max_new: int = 128,
+          batch_size: int = 1, draft_len: int | None = None, eps: float = NEAR_TIE_EPS,
+          with_verify_cost: bool = False) -> dict:
+    names = [d.strip() for d in drafters if d.strip()]
+    for d in names:
+        if d != "hf":
+            canonical(d)  # unknown drafters fail before any work
+    names = ["ar"] + [d for d in names if d != "ar"]  # ar is the speed and lossless reference
+    ids = [target.encode_chat(p["prompt"]) for p in prompts]
+    engine = Engine(target, max_batch=batch_size, draft_len=draft_len,
+                    max_len=max(len(x) for x in ids) + max_new + 1)
+    run_engine(engine, "ar", prompts[:1], ids[:1], 8, 1, "warm-up")
+    bandwidth = stream_bandwidth()
+    runs = {}
+    for d in names:
+        runs[d] = run_hf(target, prompts, ids, max_new) if d == "hf" else \
+            run_engine(engine, d, prompts, ids, max_new, batch_size, d)
+    ref = runs["ar"].outputs
+    if batch_size > 1:  # the lossless reference is always batch-1 autoregressive decoding
+        ref = run_engine(Engine(target, max_batch=1, max_len=engine.max_len), "ar", prompts, ids,
+                         max_new, 1, "reference (ar, batch 1)").outputs
+    weight_bytes = target.model.weight_bytes()
+    rows = []
+    domains = list(dict.fromkeys(p["domain"] for p in prompts))
+    ar_tps = {}
+    for d in names:
+        run = runs[d]
+        verdicts = [compare(target, ids[i], ref[i], run.outputs[i], eps)
+                    for i in range(len(prompts))]
+        for dom in domains + ["all"]:
+            idx = [i for i, p in enumerate(prompts) if dom in ("all", p["domain"])]
+            secs = sum(run.seconds.values()) if dom == "all" else run.seconds[dom]
+            new = sum(len(run.outputs[i]) for i in idx)
+            steps = sum(run.steps[i] for i in idx)
+            tps = new / secs
+            if d == "ar":
+                ar_tps[dom] = tps
+            # one forward per token for hf; prefill + verification steps for this engine
+            forwards = new if d == "hf" else steps + len(idx)
+            rows.append({
+                "drafter": d, "domain": dom, "n_prompts": len(idx), "new_tokens": new,
+                "seconds": round(secs, 3), "tokens_per_s": round(tps, 2),
+                "mean_accept_len": None if d == "hf" else
+                round(sum(run.committed[i] for i in idx) / max(steps, 1), 3),
+                "speedup_vs_ar": round(tps / ar_tps[dom], 3),
+                "lossless": all(verdicts[i] != "diverged" for i in idx),
+                "near_ties": sum(verdicts[i] == "near_tie" for i in idx),
+                "weight_gb_per_s": round(forwards * weight_bytes / secs / 1e9, 2),
+            })
+    result = {
+        "config": {
+            "target": str(target.path), "prompts": len(prompts), "domains": domains,
+            "max_new_tokens": max_new, "batch_size": batch_size, "hf_batch_size": 1,
+            "draft_len": engine.drafter("ngram").draft_len if "ngram" in names else draft_len,
+            "greedy": True, "dtype": "float32", "threads": torch.get_num_threads(),
+            "near_tie_eps": eps, "machine": platform.processor() or platform.machine(),
+            "torch": torch.__version__, "weight_mb": round(weight_bytes / 1e6, 1),
+            "stream_bandwidth_gb_per_s": round(bandwidth, 2),
+        },
+        "results": rows,
+    }
+    if with_verify_cost:
+        result["verify_cost"] = verify_cost(target)
+    return result
+
+
+def format_table(result: dict) -> str:
+    cfg = result["config"]
+    lines = [f"target {cfg['target']}  |  {cfg['prompts']} prompts, {cfg['max_new_tokens']} new "
+             f"tokens, batch {cfg['batch_size']}, greedy, {cfg['threads']} threads  |  weights "
+             f"{cfg['weight_mb']} MB, machine streams {cfg['stream_bandwidth_gb_per_s']} GB/s",
+             f"{'drafter':<8} {'domain':<6} {'tok/s':>8} {'accept':>7} {'speedup':>8} "
+             f"{'GB/s':>6} {'%bw':>5} {'lossless':>9} {'near_ties':>9}"]
+    for r in result["results"]:
+        acc = "-" if r["mean_accept_len"] is None else f"{r['mean_accept_len']:.2f}"
+        pct = 100 * r["weight_gb_per_s"] / cfg["stream_bandwidth_gb_per_s"]
+        lines.append(f"{r['drafter']:<8} {r['domain']:<6} {r['tokens_per_s']:>8.2f} {acc:>7} "
+                     f"{r['speedup_vs_ar']:>7.2f}x {r['weight_gb_per_s']:>6.1f} {pct:>4.0f}% "
+                     f"{str(r['lossless']).lower():>9} {r['near_ties']:>9}")
+    vc = result.get("verify_cost")
+    if vc:
+        lines.append(f"verification cost after {vc['context']} cached tokens (one forward): " +
+                     ", ".join(f"{n} tok {ms:.1f} ms ({vc['ratio_vs_1'][n]:.2f}x)"
+                               for n, ms in vc["ms"].items()))
+    return "\n".join(lines)

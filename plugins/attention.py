@@ -1,0 +1,21 @@
+"""Attention of packed query rows against the static KV cache (`angelspec::cached_attention`).
+
+Each row is computed alone in a fixed order, so results do not depend on how many rows share the
+forward (torch's SDPA blocks by shape and rounds differently for 1 and k query rows).
+"""
+import torch
+
+from angelspec.plugins.build import load_kernels
+
+load_kernels()
+_attend = torch.ops.angelspec.cached_attention
+
+
+def cached_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     slots: torch.Tensor, positions: torch.Tensor,
+                     window: int | None = None) -> torch.Tensor:
+    """q [N, H, D]; caches [slots, Hkv, max_len, D]; slots, positions [N] -> [N, H, D].
+
+    Row n sees its slot's keys at positions <= positions[n] (and > positions[n] - window).
+    """
+    return _attend(q, k_cache, v_cache, slots, positions, window or 0)

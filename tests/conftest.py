@@ -1,0 +1,58 @@
+"""Shared fixtures: tiny randomly initialised Llama-family checkpoints (fast, exact tests)."""
+import json
+import pathlib
+
+import pytest
+import torch
+
+from angelspec.checkpoint import Target, read_config, read_weights
+from angelspec.default_target import DEFAULT_DIR
+from angelspec.model import Llama
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def make_checkpoint(path: pathlib.Path, arch: str = "llama", seed: int = 0, **overrides):
+    """Write a tiny random Hugging Face checkpoint folder (config + safetensors) and return it."""
+    import transformers
+
+    common = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-5, eos_token_id=96, bos_token_id=1, tie_word_embeddings=True)
+    common.update(overrides)
+    cfg_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }[arch]
+    torch.manual_seed(seed)
+    model = model_cls(cfg_cls(**common)).eval()
+    with torch.no_grad():  # larger weights than the init default: sharper, more varied logits
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.15)
+    model.save_pretrained(str(path), safe_serialization=True)
+    return model
+
+
+def tiny_target(path: pathlib.Path, **kw) -> Target:
+    make_checkpoint(path, **kw)
+    cfg = read_config(path)
+    return Target(path=path, config=cfg, model=Llama(cfg, read_weights(path), max_len=512),
+                  tokenizer=None)
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory) -> Target:
+    return tiny_target(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def default_target() -> Target:
+    """The real default target (SmolLM2-135M-Instruct); `make test` converts it first."""
+    from angelspec.checkpoint import load_target
+
+    path = REPO / DEFAULT_DIR
+    if not (path / "model.safetensors").exists():
+        pytest.skip("default target not converted: run `make target`")
+    return load_target(path, max_len=1024)

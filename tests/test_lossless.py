@@ -1,0 +1,120 @@
+"""Greedy speculative decoding == batch-1 autoregressive decoding, token for token."""
+import pytest
+import torch
+
+from angelspec.drafters import Drafter, Proposal
+from angelspec.model import Segment
+from angelspec.runtime import Engine, Request, SamplingParams
+
+
+class NoisyOracle(Drafter):
+    """Proposes the true greedy continuation with random corruptions: exercises every acceptance
+    length from 0 to the full draft, so rollback happens at every offset."""
+    name = "oracle"
+
+    def __init__(self, reference: dict, draft_len: int, p_wrong: float = 0.3, seed: int = 0):
+        super().__init__(draft_len)
+        self.reference, self.p_wrong = reference, p_wrong
+        self.g = torch.Generator().manual_seed(seed)
+
+    def propose(self, states):
+        out = []
+        for s in states:
+            full = self.reference[tuple(s.tokens[:s.n_prompt])]
+            done = len(s.tokens) - s.n_prompt
+            truth = torch.tensor(full[done: done + self.draft_len], dtype=torch.long)
+            wrong = torch.rand(len(truth), generator=self.g) < self.p_wrong
+            noise = torch.randint(0, 97, (len(truth),), generator=self.g)
+            out.append(Proposal(torch.where(wrong, noise, truth), torch.full((len(truth),), 0.7)))
+        return out
+
+
+def prompts(n, vocab=97, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = [3, 17, 8, 30, 1, 12][:n]
+    return [torch.randint(0, vocab - 1, (L,), generator=g).tolist() for L in lengths]
+
+
+def autoregressive(target, ps, max_new):
+    eng = Engine(target, max_batch=1, max_len=256)
+    return [eng.generate([Request(p, SamplingParams(max_new_tokens=max_new), "ar")])[0].tokens
+            for p in ps]
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("draft_len", [1, 3, 7])
+def test_greedy_speculative_output_equals_autoregressive(tiny, batch, draft_len):
+    ps = prompts(6)
+    ref = autoregressive(tiny, ps, 40)
+    oracle = NoisyOracle({tuple(p): r for p, r in zip(ps, ref)}, draft_len, seed=draft_len)
+    eng = Engine(tiny, max_batch=batch, max_len=256, draft_len=draft_len,
+                 drafters={"oracle": oracle})
+    params = SamplingParams(max_new_tokens=40)
+    for drafter in ["ngram", "oracle"]:
+        eng.drafters["ngram"] = type(eng.drafter("ngram"))(draft_len=draft_len)
+        results = eng.generate([Request(p, params, drafter) for p in ps])
+        assert [r.tokens for r in results] == ref, drafter
+        stats = [r.stats for r in results]
+        assert sum(s.drafted for s in stats) > 0
+        assert all(s.committed == len(r.tokens) - 1 for s, r in zip(stats, results))
+    # the oracle is right 70% of the time: some steps accept several tokens, some none
+    assert sum(s.accepted for s in stats) > sum(s.steps for s in stats) * 0.3
+
+
+def test_kv_rollback_leaves_cache_equal_to_fresh_prefill(tiny):
+    ps = prompts(3)
+    ref = autoregressive(tiny, ps, 30)
+    oracle = NoisyOracle({tuple(p): r for p, r in zip(ps, ref)}, 5, p_wrong=0.5)
+    eng = Engine(tiny, max_batch=3, max_len=128, drafters={"oracle": oracle})
+    stream = eng.stream([Request(p, SamplingParams(max_new_tokens=30), "oracle") for p in ps])
+    committed = {i: list(p) for i, p in enumerate(ps)}
+    checked = 0
+    for ev in stream:
+        committed[ev.index] += ev.tokens
+        if ev.finish_reason or not ev.tokens:
+            continue
+        # mid-generation: slot holds every committed token except the newest
+        toks = committed[ev.index][:-1]
+        slot = ev.index  # slots are handed out in order while all requests fit
+        fresh = tiny.model.new_cache(1, 128)
+        tiny.model.forward(torch.tensor(toks), tiny.model.batch([Segment(0, 0, len(toks))]), fresh)
+        n = len(toks)
+        for layer in range(tiny.config.num_layers):
+            assert torch.allclose(eng.cache.k[layer][slot, :, :n], fresh.k[layer][0, :, :n], atol=1e-5)
+            assert torch.allclose(eng.cache.v[layer][slot, :, :n], fresh.v[layer][0, :, :n], atol=1e-5)
+        checked += 1
+    assert checked > 10
+
+
+def test_requests_finish_at_different_steps_and_free_their_slots(tiny):
+    ps = prompts(6)
+    ref = autoregressive(tiny, ps, 25)
+    eng = Engine(tiny, max_batch=2, max_len=256)  # 6 requests through 2 slots
+    lengths = [5, 25, 1, 12, 25, 3]
+    reqs = [Request(p, SamplingParams(max_new_tokens=n), "ngram") for p, n in zip(ps, lengths)]
+    results = eng.generate(reqs)
+    assert [r.tokens for r in results] == [r[:n] for r, n in zip(ref, lengths)]
+    eos = tiny.config.eos_token_ids[0]
+    assert all(r.finish_reason == ("stop" if r.tokens[-1] == eos else "length") for r in results)
+
+
+def test_stop_tokens_end_a_request_and_are_included(tiny):
+    p = prompts(1)[0]
+    ref = autoregressive(tiny, [p], 30)[0]
+    stop = ref[10]
+    first = ref.index(stop)
+    res = Engine(tiny, max_batch=1).generate(
+        [Request(p, SamplingParams(max_new_tokens=30, stop_token_ids=[stop]), "ngram")])[0]
+    assert res.tokens == ref[: first + 1] and res.finish_reason == "stop"
+
+
+def test_greedy_lossless_on_default_target(default_target):
+    """The real model: ngram drafts, batch 1 and 3, token-identical to batch-1 ar."""
+    texts = ["Write a Python function that adds two numbers.", "What is 12 times 7?",
+             "Name three colours of the rainbow."]
+    ps = [default_target.encode_chat(t) for t in texts]
+    ref = autoregressive(default_target, ps, 40)
+    for batch in (1, 3):
+        eng = Engine(default_target, max_batch=batch, max_len=256, draft_len=5)
+        out = eng.generate([Request(p, SamplingParams(max_new_tokens=40), "ngram") for p in ps])
+        assert [r.tokens for r in out] == ref
