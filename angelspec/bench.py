@@ -61,52 +61,62 @@ def stream_bandwidth(mb: int = 1024, reps: int = 5) -> float:
 class Run:
     """One drafter's outputs and timings over all prompts."""
     drafter: str
-    outputs: list[list[int]] = field(default_factory=list)
-    seconds: dict[str, float] = field(default_factory=dict)  # per domain
+    n: int
+    outputs: list = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)  # per domain, end to end
+    prefill: dict[str, float] = field(default_factory=dict)  # per domain, prompt forwards
     steps: list[int] = field(default_factory=list)  # verification forwards per prompt
     committed: list[int] = field(default_factory=list)  # tokens from those forwards
 
+    def __post_init__(self):
+        self.outputs, self.steps, self.committed = [None] * self.n, [0] * self.n, [0] * self.n
 
-def run_engine(engine: Engine, drafter: str, prompts: list[dict], ids: list[list[int]],
-               max_new: int, batch_size: int, desc: str) -> Run:
-    run = Run(drafter)
-    run.outputs = [None] * len(prompts)
-    run.steps, run.committed = [0] * len(prompts), [0] * len(prompts)
-    params = SamplingParams(max_new_tokens=max_new)
-    bar = tqdm(total=len(prompts), desc=desc, unit="prompt", file=sys.stderr, leave=False)
+    def add(self, domain: str, seconds: float, prefill: float) -> None:
+        self.seconds[domain] = self.seconds.get(domain, 0.0) + seconds
+        self.prefill[domain] = self.prefill.get(domain, 0.0) + prefill
+
+
+def chunks(prompts: list[dict], batch_size: int) -> list[tuple[str, list[int]]]:
+    """Batches of prompt indices, never mixing domains (so time per domain is measurable)."""
+    out = []
     for domain in dict.fromkeys(p["domain"] for p in prompts):
         idx = [i for i, p in enumerate(prompts) if p["domain"] == domain]
-        for c in range(0, len(idx), batch_size):
-            chunk = idx[c: c + batch_size]
-            t0 = time.perf_counter()
-            results = engine.generate([Request(ids[i], params, drafter) for i in chunk])
-            run.seconds[domain] = run.seconds.get(domain, 0.0) + time.perf_counter() - t0
-            for i, r in zip(chunk, results):
-                run.outputs[i] = r.tokens
-                run.steps[i], run.committed[i] = r.stats.steps, r.stats.committed
-            bar.update(len(chunk))
-    bar.close()
-    return run
+        out += [(domain, idx[c: c + batch_size]) for c in range(0, len(idx), batch_size)]
+    return out
 
 
-def run_hf(target: Target, prompts: list[dict], ids: list[list[int]], max_new: int) -> Run:
+def run_engine_chunk(engine: Engine, run: Run, ids: list[list[int]], chunk: list[int],
+                     domain: str, max_new: int) -> None:
+    params = SamplingParams(max_new_tokens=max_new)
+    t0, p0 = time.perf_counter(), engine.prefill_time
+    results = engine.generate([Request(ids[i], params, run.drafter) for i in chunk])
+    run.add(domain, time.perf_counter() - t0, engine.prefill_time - p0)
+    for i, r in zip(chunk, results):
+        run.outputs[i], run.steps[i], run.committed[i] = r.tokens, r.stats.steps, r.stats.committed
+
+
+class HFRunner:
     """transformers `generate()` (greedy, batch 1) on the same checkpoint: the outside reference."""
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(target.path), dtype=torch.float32).eval()
-    run = Run("hf")
-    eos = target.eos_ids or None
-    for i, p in enumerate(tqdm(prompts, desc="hf", unit="prompt", file=sys.stderr, leave=False)):
-        x = torch.tensor([ids[i]])
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new,
-                                 do_sample=False, eos_token_id=eos, pad_token_id=eos[0] if eos else 0)
-        run.seconds[p["domain"]] = run.seconds.get(p["domain"], 0.0) + time.perf_counter() - t0
-        run.outputs.append(out[0, x.shape[1]:].tolist())
-        run.steps.append(0)
-        run.committed.append(0)
-    return run
+    def __init__(self, target: Target):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(str(target.path),
+                                                          dtype=torch.float32).eval()
+        self.eos = target.eos_ids or None
+
+    def __call__(self, run: Run, ids: list[list[int]], chunk: list[int], domain: str,
+                 max_new: int) -> None:
+        for i in chunk:
+            x = torch.tensor([ids[i]])
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                out = self.model.generate(x, attention_mask=torch.ones_like(x),
+                                          max_new_tokens=max_new, do_sample=False,
+                                          eos_token_id=self.eos,
+                                          pad_token_id=self.eos[0] if self.eos else 0)
+            run.add(domain, time.perf_counter() - t0, 0.0)
+            run.outputs[i] = out[0, x.shape[1]:].tolist()
 
 
 def top2_margin(target: Target, tokens: list[int]) -> float:
@@ -129,24 +139,26 @@ def compare(target: Target, ids: list[int], ref: list[int], out: list[int], eps:
     return "near_tie" if top2_margin(target, ids + ref[:j]) < eps else "diverged"
 
 
-def verify_cost(target: Target, context: int = 256, sizes=(1, 2, 4, 8, 16), reps: int = 9) -> dict:
-    """Median ms of one target forward over n new tokens after `context` cached tokens."""
+def verify_cost(target: Target, context: int = 256, sizes=(1, 2, 4, 8, 16), reps: int = 15) -> dict:
+    """Median ms of one target forward over n new tokens after `context` cached tokens.
+
+    Sizes are measured in interleaved rounds, so a slow phase of a noisy machine hits all alike.
+    """
     model = target.model
     cache = model.new_cache(1, context + max(sizes) + 1)
     g = torch.Generator().manual_seed(0)
     toks = torch.randint(0, target.config.vocab_size, (context + max(sizes),), generator=g)
     model.forward(toks[:context], model.batch([Segment(0, 0, context)]), cache,
                   logit_rows=torch.tensor([context - 1]))
-    out = {}
-    for n in sizes:
-        batch = model.batch([Segment(0, context, n)])
-        times = []
-        for _ in range(reps):
+    batches = {n: model.batch([Segment(0, context, n)]) for n in sizes}
+    times = {n: [] for n in sizes}
+    for _ in range(reps):
+        for n in sizes:
             t0 = time.perf_counter()
-            model.forward(toks[context: context + n], batch, cache)
-            times.append(time.perf_counter() - t0)
-        out[n] = statistics.median(times) * 1000
-    return {"context": context, "ms": out, "ratio_vs_1": {n: out[n] / out[1] for n in sizes}}
+            model.forward(toks[context: context + n], batches[n], cache)
+            times[n].append(time.perf_counter() - t0)
+    ms = {n: statistics.median(t) * 1000 for n, t in times.items()}
+    return {"context": context, "ms": ms, "ratio_vs_1": {n: ms[n] / ms[1] for n in sizes}}
 
 
 def bench(target: Target, prompts: list[dict], drafters: list[str], max_new: int = 128,
@@ -160,16 +172,25 @@ def bench(target: Target, prompts: list[dict], drafters: list[str], max_new: int
     ids = [target.encode_chat(p["prompt"]) for p in prompts]
     engine = Engine(target, max_batch=batch_size, draft_len=draft_len,
                     max_len=max(len(x) for x in ids) + max_new + 1)
-    run_engine(engine, "ar", prompts[:1], ids[:1], 8, 1, "warm-up")
+    run_engine_chunk(engine, Run("ar", len(ids)), ids, [0], "warm-up", 8)
     bandwidth = stream_bandwidth()
-    runs = {}
-    for d in names:
-        runs[d] = run_hf(target, prompts, ids, max_new) if d == "hf" else \
-            run_engine(engine, d, prompts, ids, max_new, batch_size, d)
+    hf = HFRunner(target) if "hf" in names else None
+    runs = {d: Run(d, len(prompts)) for d in names}
+    # drafters take turns on each batch: a slow phase of a noisy machine hits all of them alike
+    for domain, chunk in tqdm(chunks(prompts, batch_size), desc=f"bench {','.join(names)}",
+                              unit="batch", file=sys.stderr):
+        for d in names:
+            if d == "hf":
+                hf(runs[d], ids, chunk, domain, max_new)
+            else:
+                run_engine_chunk(engine, runs[d], ids, chunk, domain, max_new)
     ref = runs["ar"].outputs
     if batch_size > 1:  # the lossless reference is always batch-1 autoregressive decoding
-        ref = run_engine(Engine(target, max_batch=1, max_len=engine.max_len), "ar", prompts, ids,
-                         max_new, 1, "reference (ar, batch 1)").outputs
+        ref_run, single = Run("ar", len(ids)), Engine(target, max_batch=1, max_len=engine.max_len)
+        for domain, chunk in tqdm(chunks(prompts, 1), desc="reference (ar, batch 1)",
+                                  file=sys.stderr):
+            run_engine_chunk(single, ref_run, ids, chunk, domain, max_new)
+        ref = ref_run.outputs
     weight_bytes = target.model.weight_bytes()
     rows = []
     domains = list(dict.fromkeys(p["domain"] for p in prompts))
@@ -186,8 +207,10 @@ def bench(target: Target, prompts: list[dict], drafters: list[str], max_new: int
             tps = new / secs
             if d == "ar":
                 ar_tps[dom] = tps
-            # one forward per token for hf; prefill + verification steps for this engine
-            forwards = new if d == "hf" else steps + len(idx)
+            # weights read per second while decoding: one forward per verification step (hf:
+            # one per token, its prefill time included as it cannot be separated)
+            pre = sum(run.prefill.values()) if dom == "all" else run.prefill[dom]
+            forwards = new if d == "hf" else steps
             rows.append({
                 "drafter": d, "domain": dom, "n_prompts": len(idx), "new_tokens": new,
                 "seconds": round(secs, 3), "tokens_per_s": round(tps, 2),
@@ -196,7 +219,7 @@ def bench(target: Target, prompts: list[dict], drafters: list[str], max_new: int
                 "speedup_vs_ar": round(tps / ar_tps[dom], 3),
                 "lossless": all(verdicts[i] != "diverged" for i in idx),
                 "near_ties": sum(verdicts[i] == "near_tie" for i in idx),
-                "weight_gb_per_s": round(forwards * weight_bytes / secs / 1e9, 2),
+                "weight_gb_per_s": round(forwards * weight_bytes / (secs - pre) / 1e9, 2),
             })
     result = {
         "config": {

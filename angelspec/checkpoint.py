@@ -29,6 +29,8 @@ class Target:
 
     def encode_chat(self, prompt: str, chat: bool = True) -> list[int]:
         """Token ids of a user prompt, wrapped in the chat template when there is one."""
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ValueError("prompt is empty: give some text to respond to")
         tok = self.tokenizer
         if chat and tok.chat_template:
             return list(tok.apply_chat_template([{"role": "user", "content": prompt}],

@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: the converted SmolLM2, made on first use)")
         sp.add_argument("--max-new-tokens", type=int, default=128, help="default: %(default)s")
         sp.add_argument("--draft-len", type=int, default=None,
-                        help="tokens a drafter proposes per step (default: the drafter's own, 4 "
+                        help="tokens a drafter proposes per step (default: the drafter's own, 3 "
                              "for ngram)")
 
     g = sub.add_parser("generate", help="generate a reply to one prompt",

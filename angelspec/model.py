@@ -205,7 +205,6 @@ class Llama:
 
     def _attention(self, q, k, v, batch: Batch, ck: torch.Tensor, cv: torch.Tensor):
         """q [N, H, hd], k/v [N, Hkv, hd] -> [N, H*hd]; writes k/v into the cache first."""
-        ck[batch.slots, :, batch.positions] = k
-        cv[batch.slots, :, batch.positions] = v
-        out = cached_attention(q, ck, cv, batch.slots, batch.positions, self.cfg.sliding_window)
+        out = cached_attention(q, k, v, ck, cv, batch.slots, batch.positions,
+                               self.cfg.sliding_window)
         return out.view(len(q), -1)

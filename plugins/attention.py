@@ -11,11 +11,12 @@ load_kernels()
 _attend = torch.ops.angelspec.cached_attention
 
 
-def cached_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     slots: torch.Tensor, positions: torch.Tensor,
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
                      window: int | None = None) -> torch.Tensor:
-    """q [N, H, D]; caches [slots, Hkv, max_len, D]; slots, positions [N] -> [N, H, D].
+    """q [N, H, D], k/v [N, Hkv, D]; caches [slots, Hkv, max_len, D]; slots, positions [N].
 
-    Row n sees its slot's keys at positions <= positions[n] (and > positions[n] - window).
+    Writes k/v into the caches at (slot, position), then returns [N, H, D]: row n attends to its
+    slot's keys at positions <= positions[n] (and > positions[n] - window).
     """
-    return _attend(q, k_cache, v_cache, slots, positions, window or 0)
+    return _attend(q, k, v, k_cache, v_cache, slots, positions, window or 0)

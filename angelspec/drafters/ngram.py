@@ -24,7 +24,7 @@ class NgramDrafter(Drafter):
     (Laplace-smoothed accepted / drafted), a calibrated estimate of P(token accepted)."""
     name = "ngram"
 
-    def __init__(self, draft_len: int = 4, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, draft_len: int = 3, max_ngram: int = 3, min_ngram: int = 1):
         super().__init__(draft_len)
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 

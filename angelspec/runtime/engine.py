@@ -92,7 +92,7 @@ class Engine:
         self.cache = self.model.new_cache(max_batch, self.max_len)
         self.draft_len = draft_len
         self.drafters: dict[str, Drafter] = dict(drafters or {})
-        self.forward_time = 0.0  # seconds spent in target forwards (prefill + steps)
+        self.prefill_time = 0.0  # seconds spent in prompt forwards (benchmarks separate decoding)
 
     # -- requests ---------------------------------------------------------------------------
     def drafter_key(self, name: str) -> str:
@@ -180,7 +180,7 @@ class Engine:
         logits, hidden = self.model.forward(torch.tensor(s.tokens), batch, self.cache,
                                             logit_rows=torch.tensor([n - 1]),
                                             capture=self._capture([s.drafter]))
-        self.forward_time += time.perf_counter() - t0
+        self.prefill_time += time.perf_counter() - t0
         first = self._sample_one(logits[0], s)
         new = self._commit(s, [first])
         self.drafters[s.drafter].on_commit(s, hidden)
@@ -213,11 +213,9 @@ class Engine:
             tokens.append(torch.tensor([s.tokens[-1]]))
             tokens.append(p.tokens)
             segments.append(Segment(s.slot, s.cache_len, 1 + len(p.tokens)))
-        t0 = time.perf_counter()
         logits, hidden = self.model.forward(torch.cat(tokens), self.model.batch(segments),
                                             self.cache,
                                             capture=self._capture({s.drafter for s in active}))
-        self.forward_time += time.perf_counter() - t0
         out, row = [], 0
         for s, p in zip(active, props):
             k = len(p.tokens)

@@ -4,6 +4,8 @@
 #include <ATen/Parallel.h>
 #include <cmath>
 
+#include "vec_exp.h"
+
 // x [N, h], w [h] -> x / sqrt(mean(x^2) + eps) * w, row by row (double accumulation).
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && w.dtype() == torch::kFloat32, "rms_norm: float32 expected");
@@ -62,13 +64,21 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
   auto y = torch::empty(sizes, g.options());
   const float* gp = g.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, n, 16, [&](int64_t a, int64_t b) {
-    for (int64_t r = a; r < b; ++r)
-      for (int64_t i = 0; i < m; ++i) {
-        const float x = gp[r * m2 + i];
-        yp[r * m + i] = x / (1.0f + std::exp(-x)) * gp[r * m2 + m + i];
-      }
+  const int64_t m8 = m & ~int64_t(7);
+  const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+  at::parallel_for(0, n * m8 / 8, 256, [&](int64_t a, int64_t b) {
+    for (int64_t c = a; c < b; ++c) {
+      const int64_t r = c * 8 / m8, i = c * 8 % m8;
+      const __m256 x = _mm256_loadu_ps(gp + r * m2 + i);
+      const __m256 s = _mm256_div_ps(x, _mm256_add_ps(one, exp256(_mm256_sub_ps(zero, x))));
+      _mm256_storeu_ps(yp + r * m + i, _mm256_mul_ps(s, _mm256_loadu_ps(gp + r * m2 + m + i)));
+    }
   });
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t i = m8; i < m; ++i) {
+      const float x = gp[r * m2 + i];
+      yp[r * m + i] = x / (1.0f + std::exp(-x)) * gp[r * m2 + m + i];
+    }
   return y;
 }
 

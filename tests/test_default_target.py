@@ -1,0 +1,65 @@
+"""The real default target: tokenizer, logits vs transformers, and the CLI end to end."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from angelspec.default_target import GGUF_FILE, check_tokenizer, gguf_folder
+from angelspec.model import Segment
+
+pytestmark = pytest.mark.slow
+
+
+def test_tokenizer_round_trips_and_matches_the_gguf_vocabulary(default_target):
+    check_tokenizer(default_target.tokenizer, gguf_folder() / GGUF_FILE)
+    ids = default_target.encode_chat("hi")
+    text = default_target.tokenizer.decode(ids)
+    assert text.startswith("<|im_start|>system") and text.endswith("<|im_start|>assistant\n")
+
+
+def test_logits_equal_transformers_on_the_default_target(default_target):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(default_target.path), dtype=torch.float32).eval()
+    ids = torch.tensor(default_target.encode_chat("Explain recursion in two sentences."))
+    more = torch.tensor([504, 3458, 314, 253, 1345])
+    with torch.no_grad():
+        ref = hf(torch.cat([ids, more])[None]).logits[0]
+    model = default_target.model
+    cache = model.new_cache(1, 256)
+    n = len(ids)
+    pre, _ = model.forward(ids, model.batch([Segment(0, 0, n)]), cache)
+    assert (pre - ref[:n]).abs().max() < 1e-4
+    for i in range(5):
+        step, _ = model.forward(more[i:i + 1], model.batch([Segment(0, n + i, 1)]), cache)
+        assert (step[0] - ref[n + i]).abs().max() < 1e-4
+
+
+def test_bench_cli_writes_the_documented_json(default_target, tmp_path):
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, "-m", "angelspec.cli", "bench", "--target", str(default_target.path),
+           "--limit", "1", "--max-new-tokens", "12", "--drafters", "ar,ngram,hf", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(out.read_text())
+    rows = {(r["drafter"], r["domain"]): r for r in res["results"]}
+    assert set(rows) == {(d, dom) for d in ("ar", "ngram", "hf")
+                         for dom in ("chat", "code", "math", "all")}
+    for r in res["results"]:
+        for key in ("n_prompts", "new_tokens", "tokens_per_s", "mean_accept_len",
+                    "speedup_vs_ar", "lossless", "near_ties"):
+            assert key in r
+    assert all(rows[("ngram", dom)]["lossless"] for dom in ("chat", "code", "math", "all"))
+    assert rows[("ar", "all")]["speedup_vs_ar"] == 1.0 and rows[("ar", "all")]["n_prompts"] == 3
+    assert "stream_bandwidth_gb_per_s" in res["config"]
+
+
+def test_generate_cli_errors_are_clear(default_target):
+    base = [sys.executable, "-m", "angelspec.cli", "generate", "--target", str(default_target.path)]
+    for extra, msg in [(["--prompt", "hi", "--drafter", "medusa"], "unknown drafter 'medusa'"),
+                       (["--prompt", "hi", "--max-new-tokens", "0"], "max_new_tokens"),
+                       (["--prompt", ""], "prompt is empty")]:
+        proc = subprocess.run(base + extra, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2 and msg in proc.stderr, proc.stderr[-1000:]
