@@ -8,6 +8,7 @@ logit margin is below `eps` is a near-tie, counted in `near_ties` instead of fai
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import platform
 import statistics
@@ -46,6 +47,16 @@ def load_prompts(path: str | pathlib.Path | None, limit: int | None = None) -> l
     return rows
 
 
+def cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def stream_bandwidth(mb: int = 1024, reps: int = 5) -> float:
     """Machine's streaming read bandwidth in GB/s (best of `reps` sums over an `mb` MB buffer)."""
     buf = torch.ones(mb * 2**20 // 4)
@@ -65,15 +76,17 @@ class Run:
     outputs: list = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)  # per domain, end to end
     prefill: dict[str, float] = field(default_factory=dict)  # per domain, prompt forwards
+    forwards: dict[str, int] = field(default_factory=dict)  # per domain, target weight reads
     steps: list[int] = field(default_factory=list)  # verification forwards per prompt
     committed: list[int] = field(default_factory=list)  # tokens from those forwards
 
     def __post_init__(self):
         self.outputs, self.steps, self.committed = [None] * self.n, [0] * self.n, [0] * self.n
 
-    def add(self, domain: str, seconds: float, prefill: float) -> None:
+    def add(self, domain: str, seconds: float, prefill: float, forwards: int) -> None:
         self.seconds[domain] = self.seconds.get(domain, 0.0) + seconds
         self.prefill[domain] = self.prefill.get(domain, 0.0) + prefill
+        self.forwards[domain] = self.forwards.get(domain, 0) + forwards
 
 
 def chunks(prompts: list[dict], batch_size: int) -> list[tuple[str, list[int]]]:
@@ -88,9 +101,9 @@ def chunks(prompts: list[dict], batch_size: int) -> list[tuple[str, list[int]]]:
 def run_engine_chunk(engine: Engine, run: Run, ids: list[list[int]], chunk: list[int],
                      domain: str, max_new: int) -> None:
     params = SamplingParams(max_new_tokens=max_new)
-    t0, p0 = time.perf_counter(), engine.prefill_time
+    t0, p0, s0 = time.perf_counter(), engine.prefill_time, engine.steps
     results = engine.generate([Request(ids[i], params, run.drafter) for i in chunk])
-    run.add(domain, time.perf_counter() - t0, engine.prefill_time - p0)
+    run.add(domain, time.perf_counter() - t0, engine.prefill_time - p0, engine.steps - s0)
     for i, r in zip(chunk, results):
         run.outputs[i], run.steps[i], run.committed[i] = r.tokens, r.stats.steps, r.stats.committed
 
@@ -115,8 +128,8 @@ class HFRunner:
                                           max_new_tokens=max_new, do_sample=False,
                                           eos_token_id=self.eos,
                                           pad_token_id=self.eos[0] if self.eos else 0)
-            run.add(domain, time.perf_counter() - t0, 0.0)
             run.outputs[i] = out[0, x.shape[1]:].tolist()
+            run.add(domain, time.perf_counter() - t0, 0.0, len(run.outputs[i]))
 
 
 def top2_margin(target: Target, tokens: list[int]) -> float:
@@ -201,16 +214,13 @@ def bench(target: Target, prompts: list[dict], drafters: list[str], max_new: int
                     for i in range(len(prompts))]
         for dom in domains + ["all"]:
             idx = [i for i, p in enumerate(prompts) if dom in ("all", p["domain"])]
-            secs = sum(run.seconds.values()) if dom == "all" else run.seconds[dom]
+            pick = (lambda m: sum(m.values())) if dom == "all" else (lambda m: m[dom])  # noqa: E731
+            secs, pre, forwards = pick(run.seconds), pick(run.prefill), pick(run.forwards)
             new = sum(len(run.outputs[i]) for i in idx)
             steps = sum(run.steps[i] for i in idx)
             tps = new / secs
             if d == "ar":
                 ar_tps[dom] = tps
-            # weights read per second while decoding: one forward per verification step (hf:
-            # one per token, its prefill time included as it cannot be separated)
-            pre = sum(run.prefill.values()) if dom == "all" else run.prefill[dom]
-            forwards = new if d == "hf" else steps
             rows.append({
                 "drafter": d, "domain": dom, "n_prompts": len(idx), "new_tokens": new,
                 "seconds": round(secs, 3), "tokens_per_s": round(tps, 2),
@@ -219,6 +229,8 @@ def bench(target: Target, prompts: list[dict], drafters: list[str], max_new: int
                 "speedup_vs_ar": round(tps / ar_tps[dom], 3),
                 "lossless": all(verdicts[i] != "diverged" for i in idx),
                 "near_ties": sum(verdicts[i] == "near_tie" for i in idx),
+                # weights read per second while decoding: one read per verification forward
+                # (hf: one per token, its prefill time included as it cannot be separated)
                 "weight_gb_per_s": round(forwards * weight_bytes / (secs - pre) / 1e9, 2),
             })
     result = {
@@ -227,7 +239,8 @@ def bench(target: Target, prompts: list[dict], drafters: list[str], max_new: int
             "max_new_tokens": max_new, "batch_size": batch_size, "hf_batch_size": 1,
             "draft_len": engine.drafter("ngram").draft_len if "ngram" in names else draft_len,
             "greedy": True, "dtype": "float32", "threads": torch.get_num_threads(),
-            "near_tie_eps": eps, "machine": platform.processor() or platform.machine(),
+            "near_tie_eps": eps, "cpu": cpu_model(), "cores": os.cpu_count(),
+            "kernel_isa": torch.backends.cpu.get_cpu_capability(),
             "torch": torch.__version__, "weight_mb": round(weight_bytes / 1e6, 1),
             "stream_bandwidth_gb_per_s": round(bandwidth, 2),
         },

@@ -118,3 +118,12 @@ def test_greedy_lossless_on_default_target(default_target):
         eng = Engine(default_target, max_batch=batch, max_len=256, draft_len=5)
         out = eng.generate([Request(p, SamplingParams(max_new_tokens=40), "ngram") for p in ps])
         assert [r.tokens for r in out] == ref
+
+
+def test_packed_prefill_of_short_and_long_prompts_stays_exact(tiny):
+    g = torch.Generator().manual_seed(9)
+    ps = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (150, 5, 140, 60, 70)]
+    ref = autoregressive(tiny, ps, 20)
+    eng = Engine(tiny, max_batch=5, max_len=256)
+    out = eng.generate([Request(p, SamplingParams(max_new_tokens=20), "ngram") for p in ps])
+    assert [r.tokens for r in out] == ref

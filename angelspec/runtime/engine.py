@@ -18,6 +18,7 @@ import torch
 from angelspec.checkpoint import Target
 from angelspec.drafters import ALIASES, Drafter, Proposal, canonical, make_drafter
 from angelspec.model import Segment
+from angelspec.plugins import SKINNY_MAX_ROWS
 from angelspec.runtime.sampling import SamplingParams, probs_from_logits, sample
 from angelspec.runtime.verify import verify_greedy, verify_rejection
 
@@ -93,6 +94,7 @@ class Engine:
         self.draft_len = draft_len
         self.drafters: dict[str, Drafter] = dict(drafters or {})
         self.prefill_time = 0.0  # seconds spent in prompt forwards (benchmarks separate decoding)
+        self.steps = 0  # verification forwards run (one serves every active request)
 
     # -- requests ---------------------------------------------------------------------------
     def drafter_key(self, name: str) -> str:
@@ -145,13 +147,13 @@ class Engine:
         free = list(range(self.max_batch - 1, -1, -1))
         while pending or active:
             while pending and free:
-                s = pending.popleft()
-                s.slot = free.pop()
-                yield self._event(s, self._prefill(s))
-                if s.finish_reason:
-                    self._release(s, free)
-                else:
-                    active.append(s)
+                group = self._prefill_group(pending, free)
+                for s, new in zip(group, self._prefill(group)):
+                    yield self._event(s, new)
+                    if s.finish_reason:
+                        self._release(s, free)
+                    else:
+                        active.append(s)
             if not active:
                 continue
             for s, new in self._step(active):
@@ -172,19 +174,39 @@ class Engine:
     def _capture(self, names) -> tuple[int, ...]:
         return tuple(sorted({i for n in names for i in self.drafters[n].capture}))
 
-    def _prefill(self, s: RequestState) -> list[int]:
-        """Prompt forward for one request (alone, so its numerics never depend on the batch)."""
-        n = len(s.tokens)
-        batch = self.model.batch([Segment(s.slot, 0, n)])
+    def _prefill_group(self, pending: deque, free: list[int]) -> list[RequestState]:
+        """Next prompts to prefill in one packed forward. Packing stays within the row-exact
+        kernels (SKINNY_MAX_ROWS rows); a longer prompt goes alone, exactly as at batch 1."""
+        group, rows = [], 0
+        while pending and free:
+            n = len(pending[0].tokens)
+            if group and rows + n > SKINNY_MAX_ROWS:
+                break
+            s = pending.popleft()
+            s.slot = free.pop()
+            group.append(s)
+            rows += n
+            if rows > SKINNY_MAX_ROWS:
+                break
+        return group
+
+    def _prefill(self, group: list[RequestState]) -> list[list[int]]:
+        """Prompt forward for a group of requests; each samples its first token."""
+        lengths = [len(s.tokens) for s in group]
+        batch = self.model.batch([Segment(s.slot, 0, n) for s, n in zip(group, lengths)])
+        last = torch.tensor(lengths).cumsum(0) - 1
         t0 = time.perf_counter()
-        logits, hidden = self.model.forward(torch.tensor(s.tokens), batch, self.cache,
-                                            logit_rows=torch.tensor([n - 1]),
-                                            capture=self._capture([s.drafter]))
+        logits, hidden = self.model.forward(torch.tensor([t for s in group for t in s.tokens]),
+                                            batch, self.cache, logit_rows=last,
+                                            capture=self._capture({s.drafter for s in group}))
         self.prefill_time += time.perf_counter() - t0
-        first = self._sample_one(logits[0], s)
-        new = self._commit(s, [first])
-        self.drafters[s.drafter].on_commit(s, hidden)
-        return new
+        out, start = [], 0
+        for i, (s, n) in enumerate(zip(group, lengths)):
+            new = self._commit(s, [self._sample_one(logits[i], s)])
+            self.drafters[s.drafter].on_commit(s, {l: h[start: start + n] for l, h in hidden.items()})
+            out.append(new)
+            start += n
+        return out
 
     def _sample_one(self, logits: torch.Tensor, s: RequestState) -> int:
         if s.params.greedy:
@@ -207,6 +229,7 @@ class Engine:
         return out
 
     def _step(self, active: list[RequestState]) -> list[tuple[RequestState, list[int]]]:
+        self.steps += 1
         props = self._propose(active)
         tokens, segments = [], []
         for s, p in zip(active, props):
