@@ -1,0 +1,63 @@
+// The skinny GEMM algorithm, written once for any vector width. Each .cpp that includes this
+// header supplies a vector type V (lanes, zero, load, fma, hsum) compiled for its own ISA; the
+// templates live in an anonymous namespace, so every file gets its own private copy.
+//
+// y[n, o] = sum_i x[n, i] * w[o, i]. Every (row, output) pair is one FMA chain over the input
+// in V::lanes-wide steps, then V::hsum, then a scalar tail: the order never depends on how many
+// rows share the call, so a verification forward rounds exactly like one-token forwards.
+#pragma once
+#include <stdint.h>
+
+namespace {
+
+template <class V, int R, int C>
+inline void tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t in, float* y,
+                 int64_t ldy, const float* prefetch) {
+  typename V::reg acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = V::zero();
+  const int64_t body = in - in % V::lanes;
+  for (int64_t i = 0; i < body; i += V::lanes) {
+    if (prefetch && (i * 4) % 64 == 0)  // one cache line of each next-block row per 64 bytes
+      for (int c = 0; c < C; ++c) _mm_prefetch(reinterpret_cast<const char*>(prefetch + c * ldw + i), _MM_HINT_T0);
+    typename V::reg wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = V::load(w + c * ldw + i);
+    for (int r = 0; r < R; ++r) {
+      const typename V::reg xv = V::load(x + r * ldx + i);
+      for (int c = 0; c < C; ++c) acc[r][c] = V::fma(wv[c], xv, acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      float s = V::hsum(acc[r][c]);
+      for (int64_t i = body; i < in; ++i) s = __builtin_fmaf(w[c * ldw + i], x[r * ldx + i], s);
+      y[r * ldy + c] = s;
+    }
+}
+
+// All rows of x against C weight rows; the first pass also pulls the next block into L1.
+template <class V, int R, int C>
+inline void column_block(const float* x, const float* w, float* y, int64_t n, int64_t in,
+                         int64_t out) {
+  const float* next = w + C * in;
+  int64_t r = 0;
+  for (; r + R <= n; r += R) tile<V, R, C>(x + r * in, in, w, in, in, y + r * out, out, r == 0 ? next : nullptr);
+  for (; r + 2 <= n; r += 2) tile<V, 2, C>(x + r * in, in, w, in, in, y + r * out, out, r == 0 ? next : nullptr);
+  for (; r < n; ++r) tile<V, 1, C>(x + r * in, in, w, in, in, y + r * out, out, r == 0 ? next : nullptr);
+}
+
+// Weight-row blocks [b0, b1) of C rows each (the last block may be partial).
+template <class V, int R, int C>
+inline void blocks(const float* x, const float* w, float* y, int64_t n, int64_t in, int64_t out,
+                   int64_t b0, int64_t b1) {
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t o = b * C;
+    if (o + C <= out) {
+      column_block<V, R, C>(x, w + o * in, y + o, n, in, out);
+    } else {
+      for (int64_t oo = o; oo < out; ++oo) column_block<V, R, 1>(x, w + oo * in, y + oo, n, in, out);
+    }
+  }
+}
+
+}  // namespace
