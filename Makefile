@@ -31,7 +31,7 @@ $(TARGET)/model.safetensors: | setup
 
 demo: target
 	$(VENV)/bin/angelspec generate --target $(TARGET) --drafter ngram --stream --max-new-tokens 96 \
-	  --prompt "Add type hints to this function and return the full code: def area(w, h): return w * h"
+	  --prompt "$$(printf 'Rename the variable x to total and return the full code:\n\ndef add_all(items):\n    x = 0\n    for item in items:\n        x += item\n    return x')"
 	$(VENV)/bin/angelspec bench --target $(TARGET) --limit 3 --max-new-tokens 96 --drafters ar,ngram,hf
 
 bench: target

@@ -18,6 +18,7 @@ VARIANTS = {
                                    rope_scaling={"type": "linear", "factor": 2.0}),
     "qwen2_qkv_bias": dict(arch="qwen2", tie_word_embeddings=False),
     "mistral": dict(arch="mistral", sliding_window=None, head_dim=16),
+    "mistral_sliding_window": dict(arch="mistral", sliding_window=8),
 }
 
 
