@@ -6,8 +6,7 @@
 // (skinny_tile.h), so a row's result does not depend on how many other rows share the call.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
-
+#include "vec.h"
 #include "skinny_tile.h"
 
 void skinny_blocks_avx512(const float* x, const float* w, float* y, int64_t n, int64_t in,
@@ -15,20 +14,6 @@ void skinny_blocks_avx512(const float* x, const float* w, float* y, int64_t n, i
 int64_t skinny_block_cols_avx512();
 
 namespace {
-struct V256 {
-  using reg = __m256;
-  static constexpr int lanes = 8;
-  static reg zero() { return _mm256_setzero_ps(); }
-  static reg load(const float* p) { return _mm256_loadu_ps(p); }
-  static reg fma(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
-  static float hsum(reg v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-  }
-};
-
 // 4 x-rows by 3 weight rows: 12 accumulators + 3 weight + 1 x = all 16 ymm registers (among
 // 2x4, 3x4, 2x6, 6x2 and 4x3 the most even across 1-16 rows in our measurements).
 constexpr int kCols256 = 3;
@@ -38,8 +23,6 @@ void skinny_blocks_avx2(const float* x, const float* w, float* y, int64_t n, int
   blocks<V256, 4, kCols256>(x, w, y, n, in, out, b0, b1);
 }
 
-// One choice per process: a machine always rounds the same way, whatever the batch.
-const bool kUseAvx512 = __builtin_cpu_supports("avx512f");
 }  // namespace
 
 torch::Tensor skinny_linear(const torch::Tensor& x, const torch::Tensor& w) {
@@ -54,8 +37,8 @@ torch::Tensor skinny_linear(const torch::Tensor& x, const torch::Tensor& w) {
   const float* xp = xc.data_ptr<float>();
   const float* wp = wc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t cols = kUseAvx512 ? skinny_block_cols_avx512() : kCols256;
-  auto* fn = kUseAvx512 ? &skinny_blocks_avx512 : &skinny_blocks_avx2;
+  const int64_t cols = use_avx512() ? skinny_block_cols_avx512() : kCols256;
+  auto* fn = use_avx512() ? &skinny_blocks_avx512 : &skinny_blocks_avx2;
   at::parallel_for(0, (out + cols - 1) / cols, 16, [&](int64_t b0, int64_t b1) {
     fn(xp, wp, yp, n, in, out, b0, b1);
   });

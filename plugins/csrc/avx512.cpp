@@ -1,0 +1,41 @@
+// AVX-512 instances of the kernel templates (skinny_tile.h, attention_tile.h), chosen at run time
+// on CPUs that have it. This file includes no torch or standard C++ headers on purpose: it is
+// compiled for AVX-512, and an inline function shared with other files could otherwise be linked
+// in its AVX-512 form and crash a CPU without it.
+#pragma GCC target("avx512f,avx2,fma")
+#include <immintrin.h>
+#include <stdint.h>
+
+namespace {
+struct V512 {
+  using reg = __m512;
+  static constexpr int lanes = 16;
+  static reg zero() { return _mm512_setzero_ps(); }
+  static reg set1(float a) { return _mm512_set1_ps(a); }
+  static reg load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, reg v) { _mm512_storeu_ps(p, v); }
+  static reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
+  static reg fma(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
+  static float hsum(reg v) { return _mm512_reduce_add_ps(v); }
+};
+}  // namespace
+
+#include "attention_tile.h"
+#include "skinny_tile.h"
+
+// 4 x-rows by 6 weight rows: 24 accumulators + 6 weight + 1 x = 31 of the 32 zmm registers.
+constexpr int kCols512 = 6;
+
+void skinny_blocks_avx512(const float* x, const float* w, float* y, int64_t n, int64_t in,
+                          int64_t out, int64_t b0, int64_t b1) {
+  blocks<V512, 4, kCols512>(x, w, y, n, in, out, b0, b1);
+}
+
+int64_t skinny_block_cols_avx512() { return kCols512; }
+
+void attend_items_avx512(const float* qp, const float* kp, const float* vp, float* op,
+                         const int64_t* slots, const int64_t* pos, int64_t H, int64_t Hkv,
+                         int64_t M, int64_t D, int64_t window, float scale, int64_t a, int64_t b,
+                         float* buf) {
+  attend_items<V512>(qp, kp, vp, op, slots, pos, H, Hkv, M, D, window, scale, a, b, buf);
+}
