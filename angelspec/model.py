@@ -117,7 +117,6 @@ class Batch:
     """Per-token slot and position of a packed forward, built once and shared by all layers."""
 
     def __init__(self, segments: list[Segment]):
-        self.segments = segments
         self.positions = torch.cat([torch.arange(s.start, s.start + s.length) for s in segments])
         self.slots = torch.cat([torch.full((s.length,), s.slot) for s in segments])
         self.kv_len = max(s.start + s.length for s in segments)

@@ -1,5 +1,4 @@
 """Shared fixtures: tiny randomly initialised Llama-family checkpoints (fast, exact tests)."""
-import json
 import pathlib
 
 import pytest

@@ -19,8 +19,6 @@ def canonical(name: str) -> str:
 
 def make_drafter(name: str, draft_len: int | None = None) -> Drafter:
     cls = DRAFTERS[canonical(name)]
-    if cls is Drafter:
-        return Drafter(0)
     return cls() if draft_len is None else cls(draft_len=draft_len)
 
 
