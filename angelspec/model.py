@@ -96,12 +96,14 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 class KVCache:
-    """Static cache: per layer, k and v of shape [slots, kv_heads, max_len, head_dim]."""
+    """Static cache, per layer: k [slots, kv_heads, head_dim, max_len] (transposed, so attention
+    scores a vector of keys per instruction without horizontal sums) and
+    v [slots, kv_heads, max_len, head_dim]."""
 
     def __init__(self, cfg: ModelConfig, slots: int, max_len: int, dtype=torch.float32):
-        shape = (slots, cfg.num_kv_heads, max_len, cfg.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
+        h, d = cfg.num_kv_heads, cfg.head_dim
+        self.k = [torch.zeros(slots, h, d, max_len, dtype=dtype) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(slots, h, max_len, d, dtype=dtype) for _ in range(cfg.num_layers)]
         self.slots, self.max_len = slots, max_len
 
 

@@ -14,7 +14,8 @@ _attend = torch.ops.angelspec.cached_attention
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
                      window: int | None = None) -> torch.Tensor:
-    """q [N, H, D], k/v [N, Hkv, D]; caches [slots, Hkv, max_len, D]; slots, positions [N].
+    """q [N, H, D], k/v [N, Hkv, D]; k_cache [slots, Hkv, D, max_len] (transposed), v_cache
+    [slots, Hkv, max_len, D]; slots, positions [N].
 
     Writes k/v into the caches at (slot, position), then returns [N, H, D]: row n attends to its
     slot's keys at positions <= positions[n] (and > positions[n] - window).

@@ -80,7 +80,8 @@ def test_kv_rollback_leaves_cache_equal_to_fresh_prefill(tiny):
         tiny.model.forward(torch.tensor(toks), tiny.model.batch([Segment(0, 0, len(toks))]), fresh)
         n = len(toks)
         for layer in range(tiny.config.num_layers):
-            assert torch.allclose(eng.cache.k[layer][slot, :, :n], fresh.k[layer][0, :, :n], atol=1e-5)
+            assert torch.allclose(eng.cache.k[layer][slot, ..., :n], fresh.k[layer][0, ..., :n],
+                                  atol=1e-5)
             assert torch.allclose(eng.cache.v[layer][slot, :, :n], fresh.v[layer][0, :, :n], atol=1e-5)
         checked += 1
     assert checked > 10

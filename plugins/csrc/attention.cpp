@@ -22,7 +22,7 @@ void attend_items_avx512(const float* qp, const float* kp, const float* vp, floa
                          float* buf);
 
 // q [N, H, D]; k, v [N, Hkv, D] (this forward's keys/values, written into the caches first);
-// caches [S, Hkv, M, D]; slots, positions [N] (int64); window <= 0: none.
+// k_cache [S, Hkv, D, M] (transposed), v_cache [S, Hkv, M, D]; slots, positions [N] (int64); window <= 0: none.
 // Row n attends to keys (slots[n], j) for j in (positions[n] - window, positions[n]].
 torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v, torch::Tensor k_cache,
@@ -30,12 +30,14 @@ torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& positions, int64_t window) {
   TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32 &&
               v_cache.dtype() == torch::kFloat32, "cached_attention: float32 expected");
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
-              "cached_attention: q [N, H, D] and caches [S, Hkv, M, D] expected");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
+              "cached_attention: q [N, H, D], k_cache [S, Hkv, D, M], v_cache [S, Hkv, M, D] expected");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "cached_attention: contiguous caches expected");
   const int64_t N = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t S = k_cache.size(0), Hkv = k_cache.size(1), M = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == D && H % Hkv == 0, "cached_attention: head shapes disagree");
+  const int64_t S = v_cache.size(0), Hkv = v_cache.size(1), M = v_cache.size(2);
+  TORCH_CHECK(v_cache.size(3) == D && H % Hkv == 0 &&
+              k_cache.sizes() == torch::IntArrayRef({S, Hkv, D, M}),
+              "cached_attention: cache shapes disagree: k ", k_cache.sizes(), " v ", v_cache.sizes());
   auto sl = slots.to(torch::kLong).contiguous();
   auto ps = positions.to(torch::kLong).contiguous();
   TORCH_CHECK(sl.numel() == N && ps.numel() == N, "cached_attention: one slot and position per row");
@@ -44,7 +46,7 @@ torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& k,
   for (int64_t n = 0; n < N; ++n)
     TORCH_CHECK(pp[n] >= 0 && pp[n] < M && slp[n] >= 0 && slp[n] < S,
                 "cached_attention: slot ", slp[n], " position ", pp[n], " outside the cache");
-  {  // write this forward's keys and values at (slot, head, position)
+  {  // write this forward's keys (transposed: a column) and values (a row) at (slot, head, position)
     auto kc = k.reshape({N, Hkv, D}).contiguous(), vc = v.reshape({N, Hkv, D}).contiguous();
     const float* ks = kc.data_ptr<float>();
     const float* vs = vc.data_ptr<float>();
@@ -52,9 +54,9 @@ torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& k,
     float* vd = v_cache.data_ptr<float>();
     for (int64_t n = 0; n < N; ++n)
       for (int64_t h = 0; h < Hkv; ++h) {
-        const int64_t dst = ((slp[n] * Hkv + h) * M + pp[n]) * D, src = (n * Hkv + h) * D;
-        std::memcpy(kd + dst, ks + src, D * sizeof(float));
-        std::memcpy(vd + dst, vs + src, D * sizeof(float));
+        const int64_t head = (slp[n] * Hkv + h) * M * D, src = (n * Hkv + h) * D;
+        for (int64_t d = 0; d < D; ++d) kd[head + d * M + pp[n]] = ks[src + d];
+        std::memcpy(vd + head + pp[n] * D, vs + src, D * sizeof(float));
       }
   }
 

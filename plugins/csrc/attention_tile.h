@@ -1,8 +1,10 @@
 // Cached attention, written once for any vector width V (see vec.h). No torch or standard C++
 // headers here: avx512.cpp includes this file too.
 //
-// Every query row is computed alone with a fixed summation order (keys in order, V::lanes FMA
-// lanes over head_dim, V::hsum), so its result does not depend on how many rows share the call.
+// Every query row is computed alone with a fixed summation order (scores: sequential over
+// head_dim; values: sequential over keys), so its result does not depend on how many rows share
+// the call. The key cache is [slots, kv_heads, head_dim, max_len] (transposed), the value cache
+// [slots, kv_heads, max_len, head_dim].
 #pragma once
 #include <stdint.h>
 
@@ -11,38 +13,57 @@
 namespace {
 
 // scores[g][j - lo] = scale * q_g . k_j for G query heads against keys lo..hi (inclusive).
-// Three keys at a time keep 3G independent FMA chains in flight; each score's own order is fixed.
+// Keys are stored transposed (kt[d * M + j]), so one vector holds V::lanes keys' partial scores
+// and no horizontal sums are needed. Every score is the same FMA sequence over d = 0..D-1 (then
+// one multiply by scale) whichever path computes it - vector block or scalar tail - so a row's
+// scores never depend on its neighbours or on where its block boundaries fall.
 template <class V, int G>
-void score_keys(const float* const* q, const float* keys, int64_t lo, int64_t hi, int64_t D,
-                float scale, float* const* scores) {
-  constexpr int KB = 3;
-  const int64_t body = D - D % V::lanes;
-  for (int64_t j = lo; j <= hi;) {
-    const int kb = hi + 1 - j >= KB ? KB : 1;  // the tail goes key by key, same per-score order
-    typename V::reg acc[KB][G];
-    for (int b = 0; b < kb; ++b)
-      for (int g = 0; g < G; ++g) acc[b][g] = V::zero();
-    for (int64_t d = 0; d < body; d += V::lanes) {
+void score_keys(const float* const* q, const float* kt, int64_t M, int64_t lo, int64_t hi,
+                int64_t D, float scale, float* const* scores) {
+  constexpr int KB = V::lanes == 16 ? 4 : 3;  // key vectors per block (registers: G*KB + KB + 1)
+  const typename V::reg sv = V::set1(scale);
+  int64_t j = lo;
+  for (; j + KB * V::lanes <= hi + 1; j += KB * V::lanes) {
+    typename V::reg acc[G][KB];
+    for (int g = 0; g < G; ++g)
+      for (int b = 0; b < KB; ++b) acc[g][b] = V::zero();
+    for (int64_t d = 0; d < D; ++d) {
       typename V::reg kv[KB];
-      for (int b = 0; b < kb; ++b) kv[b] = V::load(keys + (j + b) * D + d);
+      for (int b = 0; b < KB; ++b) kv[b] = V::load(kt + d * M + j + b * V::lanes);
       for (int g = 0; g < G; ++g) {
-        const typename V::reg qv = V::load(q[g] + d);
-        for (int b = 0; b < kb; ++b) acc[b][g] = V::fma(qv, kv[b], acc[b][g]);
+        const typename V::reg qd = V::set1(q[g][d]);
+        for (int b = 0; b < KB; ++b) acc[g][b] = V::fma(qd, kv[b], acc[g][b]);
       }
     }
-    for (int b = 0; b < kb; ++b)
-      for (int g = 0; g < G; ++g) {
-        float s = V::hsum(acc[b][g]);
-        for (int64_t d = body; d < D; ++d) s = __builtin_fmaf(q[g][d], keys[(j + b) * D + d], s);
-        scores[g][j + b - lo] = s * scale;
-      }
-    j += kb;
+    for (int g = 0; g < G; ++g)
+      for (int b = 0; b < KB; ++b) V::store(scores[g] + j - lo + b * V::lanes, V::mul(acc[g][b], sv));
   }
+  // the rest one vector at a time; a last partial vector reads keys past hi (stale cache entries,
+  // each lane independent) and keeps only the valid lanes, while it stays inside the cache row
+  for (; j <= hi && j + V::lanes <= M; j += V::lanes) {
+    typename V::reg acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = V::zero();
+    for (int64_t d = 0; d < D; ++d) {
+      const typename V::reg kv = V::load(kt + d * M + j);
+      for (int g = 0; g < G; ++g) acc[g] = V::fma(V::set1(q[g][d]), kv, acc[g]);
+    }
+    const int64_t valid = hi + 1 - j < V::lanes ? hi + 1 - j : V::lanes;
+    for (int g = 0; g < G; ++g) {
+      float tmp[V::lanes];
+      V::store(tmp, V::mul(acc[g], sv));
+      for (int64_t l = 0; l < valid; ++l) scores[g][j - lo + l] = tmp[l];
+    }
+  }
+  for (; j <= hi; ++j)  // only at the very end of the cache
+    for (int g = 0; g < G; ++g) {
+      float s = 0.f;
+      for (int64_t d = 0; d < D; ++d) s = __builtin_fmaf(q[g][d], kt[d * M + j], s);
+      scores[g][j - lo] = s * scale;
+    }
 }
 
-// softmax(scores) @ values for one head, written to out [D]; `scores` is overwritten.
-template <class V>
-void softmax_values(float* scores, int64_t len, const float* values, int64_t D, float* out) {
+// Turns one head's scores into unnormalised softmax weights in place; returns 1 / their sum.
+inline float softmax_weights(float* scores, int64_t len) {
   float mx = -__builtin_inff();
   for (int64_t j = 0; j < len; ++j) mx = scores[j] > mx ? scores[j] : mx;
   const int64_t l8 = len & ~int64_t(7);
@@ -52,26 +73,38 @@ void softmax_values(float* scores, int64_t len, const float* values, int64_t D, 
   for (int64_t j = l8; j < len; ++j) scores[j] = __builtin_expf(scores[j] - mx);
   float total = 0.f;
   for (int64_t j = 0; j < len; ++j) total += scores[j];
-  const float inv = 1.0f / total;
-  // up to 8 registers of output stay in registers across all keys
-  constexpr int64_t chunk = 8 * V::lanes;
+  return 1.0f / total;
+}
+
+// out[g] = (sum_j w[g][j] * v_j) * inv[g] for G heads sharing the values [len, D]. Each output
+// is one FMA chain over the keys in order; the G heads run side by side so the chains overlap.
+template <class V, int G>
+void weighted_values(float* const* w, const float* inv, int64_t len, const float* values,
+                     int64_t D, float* const* out) {
+  constexpr int NV = V::lanes == 16 ? 4 : 2;  // vectors per head per pass (registers: G*NV + 2)
   const int64_t body = D - D % V::lanes;
-  for (int64_t d0 = 0; d0 < body; d0 += chunk) {
-    const int nv = int((body - d0 < chunk ? body - d0 : chunk) / V::lanes);
-    typename V::reg acc[8];
-    for (int c = 0; c < 8; ++c) acc[c] = V::zero();
+  for (int64_t d0 = 0; d0 < body; d0 += NV * V::lanes) {
+    const int nv = int((body - d0 < NV * V::lanes ? body - d0 : NV * V::lanes) / V::lanes);
+    typename V::reg acc[G][NV];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < NV; ++c) acc[g][c] = V::zero();
     for (int64_t j = 0; j < len; ++j) {
-      const typename V::reg e = V::set1(scores[j]);
       const float* v = values + j * D + d0;
-      for (int c = 0; c < nv; ++c) acc[c] = V::fma(e, V::load(v + c * V::lanes), acc[c]);
+      for (int c = 0; c < nv; ++c) {
+        const typename V::reg vv = V::load(v + c * V::lanes);
+        for (int g = 0; g < G; ++g) acc[g][c] = V::fma(V::set1(w[g][j]), vv, acc[g][c]);
+      }
     }
-    for (int c = 0; c < nv; ++c) V::store(out + d0 + c * V::lanes, V::mul(acc[c], V::set1(inv)));
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < nv; ++c)
+        V::store(out[g] + d0 + c * V::lanes, V::mul(acc[g][c], V::set1(inv[g])));
   }
-  for (int64_t d = body; d < D; ++d) {
-    float a = 0.f;
-    for (int64_t j = 0; j < len; ++j) a = __builtin_fmaf(scores[j], values[j * D + d], a);
-    out[d] = a * inv;
-  }
+  for (int64_t d = body; d < D; ++d)
+    for (int g = 0; g < G; ++g) {
+      float a = 0.f;
+      for (int64_t j = 0; j < len; ++j) a = __builtin_fmaf(w[g][j], values[j * D + d], a);
+      out[g][d] = a * inv[g];
+    }
 }
 
 // Work items [a, b) of N * Hkv (row n, kv head): the `group` query heads of that kv head.
@@ -85,25 +118,33 @@ void attend_items(const float* qp, const float* kp, const float* vp, float* op,
     const int64_t n = nk / Hkv, kvh = nk % Hkv, p = pos[n];
     const int64_t lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
     const int64_t len = p - lo + 1;
-    const int64_t base = (slots[n] * Hkv + kvh) * M * D;
+    const int64_t base = (slots[n] * Hkv + kvh) * M * D;  // same offset in k [D, M] and v [M, D]
     for (int64_t g0 = 0; g0 < group; g0 += 4) {
       const int gs = group - g0 < 4 ? int(group - g0) : 4;
       const float* qs[4];
       float* sc[4];
+      float* os[4];
+      float inv[4];
       for (int g = 0; g < gs; ++g) {
         qs[g] = qp + (n * H + kvh * group + g0 + g) * D;
         sc[g] = buf + (g0 + g) * len;
+        os[g] = op + (n * H + kvh * group + g0 + g) * D;
       }
+      const float* vals = vp + base + lo * D;
       switch (gs) {
-        case 4: score_keys<V, 4>(qs, kp + base, lo, p, D, scale, sc); break;
-        case 3: score_keys<V, 3>(qs, kp + base, lo, p, D, scale, sc); break;
-        case 2: score_keys<V, 2>(qs, kp + base, lo, p, D, scale, sc); break;
-        default: score_keys<V, 1>(qs, kp + base, lo, p, D, scale, sc);
+        case 4: score_keys<V, 4>(qs, kp + base, M, lo, p, D, scale, sc); break;
+        case 3: score_keys<V, 3>(qs, kp + base, M, lo, p, D, scale, sc); break;
+        case 2: score_keys<V, 2>(qs, kp + base, M, lo, p, D, scale, sc); break;
+        default: score_keys<V, 1>(qs, kp + base, M, lo, p, D, scale, sc);
+      }
+      for (int g = 0; g < gs; ++g) inv[g] = softmax_weights(sc[g], len);
+      switch (gs) {
+        case 4: weighted_values<V, 4>(sc, inv, len, vals, D, os); break;
+        case 3: weighted_values<V, 3>(sc, inv, len, vals, D, os); break;
+        case 2: weighted_values<V, 2>(sc, inv, len, vals, D, os); break;
+        default: weighted_values<V, 1>(sc, inv, len, vals, D, os);
       }
     }
-    for (int64_t g = 0; g < group; ++g)
-      softmax_values<V>(buf + g * len, len, vp + base + lo * D, D,
-                        op + (n * H + kvh * group + g) * D);
   }
 }
 
