@@ -57,9 +57,9 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def stream_bandwidth(mb: int = 1024, reps: int = 5) -> float:
+def stream_bandwidth(mb: int = 1024, reps: int = 3, buf: torch.Tensor | None = None) -> float:
     """Machine's streaming read bandwidth in GB/s (best of `reps` sums over an `mb` MB buffer)."""
-    buf = torch.ones(mb * 2**20 // 4)
+    buf = torch.ones(mb * 2**20 // 4) if buf is None else buf
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -186,12 +186,15 @@ def bench(target: Target, prompts: list[dict], drafters: list[str], max_new: int
     engine = Engine(target, max_batch=batch_size, draft_len=draft_len,
                     max_len=max(len(x) for x in ids) + max_new + 1)
     run_engine_chunk(engine, Run("ar", len(ids)), ids, [0], "warm-up", 8)
-    bandwidth = stream_bandwidth()  # measured again at the end; the better of the two is kept
+    # the bandwidth reference is sampled before every batch, under the same conditions as the
+    # decoding it is compared with (this machine's speed drifts), and its median is reported
+    stream_buf, samples = torch.ones(2**28), []
     hf = HFRunner(target) if "hf" in names else None
     runs = {d: Run(d, len(prompts)) for d in names}
     # drafters take turns on each batch: a slow phase of a noisy machine hits all of them alike
     for domain, chunk in tqdm(chunks(prompts, batch_size), desc=f"bench {','.join(names)}",
                               unit="batch", file=sys.stderr):
+        samples.append(stream_bandwidth(buf=stream_buf))
         for d in names:
             if d == "hf":
                 hf(runs[d], ids, chunk, domain, max_new)
@@ -204,7 +207,8 @@ def bench(target: Target, prompts: list[dict], drafters: list[str], max_new: int
                                   file=sys.stderr):
             run_engine_chunk(single, ref_run, ids, chunk, domain, max_new)
         ref = ref_run.outputs
-    bandwidth = max(bandwidth, stream_bandwidth())
+    bandwidth = statistics.median(samples)
+    del stream_buf
     weight_bytes = target.model.weight_bytes()
     rows = []
     domains = list(dict.fromkeys(p["domain"] for p in prompts))
