@@ -4,8 +4,15 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TARGET ?= build/targets/smollm2-135m-instruct
 BENCH_ARGS ?= --drafters ar,ngram,hf --max-new-tokens 128 --verify-cost
+# drafts: PRESET=quick (default, ~1 h here) or PRESET=full (~2.5 h); each has its own folders
+PRESET ?= quick
+DATA_ARGS_quick := --chat 150 --code 150 --math 150 --heldout 10 --max-new-tokens 160
+DATA_ARGS_full  := --chat 400 --code 400 --math 400 --heldout 20 --max-new-tokens 256
+SUFFIX := $(if $(filter full,$(PRESET)),-full,)
+DATA   ?= build/data$(SUFFIX)
+DRAFTS ?= build/drafts$(SUFFIX)
 
-.PHONY: setup target demo generate bench test test-fast clean help
+.PHONY: setup target demo generate bench data drafts bench-drafts test test-fast clean help
 
 help:
 	@echo "make demo    set up, fetch the default target, generate with speculative decoding, compare speed"
@@ -13,6 +20,9 @@ help:
 	@echo "make setup   create $(VENV) and install AngelSpec (CPU torch, kernels compiled once)"
 	@echo "make target  convert the default target (SmolLM2-135M-Instruct) into $(TARGET)"
 	@echo "make bench   full side-by-side benchmark (ar, ngram, hf) -> build/bench.json"
+	@echo "make data    training data: prompts, the target's own responses, cached features"
+	@echo "make drafts  data + train mtp, dflash, dfly (PRESET=quick|full; resumes if stopped)"
+	@echo "make bench-drafts  ar, ngram, mtp, dflash, dfly on the held-out prompts"
 
 setup: $(VENV)/.installed
 
@@ -37,6 +47,18 @@ demo: target
 bench: target
 	mkdir -p build
 	$(VENV)/bin/angelspec bench --target $(TARGET) $(BENCH_ARGS) --out build/bench.json
+
+data: target
+	$(VENV)/bin/angelspec data --target $(TARGET) --out $(DATA) $(DATA_ARGS_$(PRESET))
+
+drafts: data
+	for r in mtp dflash dfly; do \
+	  $(VENV)/bin/angelspec train --recipe $$r --preset $(PRESET) --target $(TARGET) \
+	    --set data=$(DATA) --set out=$(DRAFTS)/$$r || exit 1; done
+
+bench-drafts: target
+	$(VENV)/bin/angelspec bench --target $(TARGET) --prompts $(DATA)/heldout.jsonl --drafts $(DRAFTS) \
+	  --drafters ar,ngram,mtp,dflash,dfly --max-new-tokens 128 --out build/bench-drafts$(SUFFIX).json
 
 test: target
 	$(PY) -m pytest -q

@@ -176,7 +176,7 @@ def verify_cost(target: Target, context: int = 256, sizes=(1, 2, 4, 8, 16), reps
 
 def bench(target: Target, prompts: list[dict], drafters: list[str], max_new: int = 128,
           batch_size: int = 1, draft_len: int | None = None, eps: float = NEAR_TIE_EPS,
-          with_verify_cost: bool = False) -> dict:
+          with_verify_cost: bool = False, drafts: str | None = None) -> dict:
     names = [d.strip() for d in drafters if d.strip()]
     for d in names:
         if d != "hf":
@@ -184,7 +184,10 @@ def bench(target: Target, prompts: list[dict], drafters: list[str], max_new: int
     names = ["ar"] + [d for d in names if d != "ar"]  # ar is the speed and lossless reference
     ids = [target.encode_chat(p["prompt"]) for p in prompts]
     engine = Engine(target, max_batch=batch_size, draft_len=draft_len,
-                    max_len=max(len(x) for x in ids) + max_new + 1)
+                    max_len=max(len(x) for x in ids) + max_new + 1, drafts=drafts)
+    for d in names:
+        if d != "hf":
+            engine.drafter(d)  # trained drafts are loaded (and checked) before any work
     run_engine_chunk(engine, Run("ar", len(ids)), ids, [0], "warm-up", 8)
     # the bandwidth reference is sampled before every batch, under the same conditions as the
     # decoding it is compared with (this machine's speed drifts), and its median is reported

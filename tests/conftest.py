@@ -31,7 +31,22 @@ def make_checkpoint(path: pathlib.Path, arch: str = "llama", seed: int = 0, **ov
             if p.dim() == 2:
                 p.normal_(0, 0.15)
     model.save_pretrained(str(path), safe_serialization=True)
+    if common["vocab_size"] == 97:
+        add_char_tokenizer(path)
     return model
+
+
+def add_char_tokenizer(path: pathlib.Path) -> None:
+    """A character-level tokenizer for the 97-token tiny models: 0 <unk>, 1-95 the printable
+    ASCII characters, 96 </s> (the eos). Makes a tiny folder a complete target (CLI, data step)."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, **{chr(c): c - 31 for c in range(32, 127)}, "</s>": 96}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.decoder = decoders.Fuse()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>",
+                            unk_token="<unk>").save_pretrained(str(path))
 
 
 def tiny_target(path: pathlib.Path, **kw) -> Target:

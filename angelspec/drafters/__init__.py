@@ -1,25 +1,61 @@
-"""Drafter registry. `none` (shown as `ar`) is plain autoregressive decoding."""
+"""Drafter registry. `none` (shown as `ar`) is plain autoregressive decoding; `ngram` needs no
+training; `mtp`, `dfly` and `dflash` load a trained draft (`<drafts>/<name>/`) for the target."""
+import pathlib
+
 from angelspec.drafters.base import Drafter, Proposal
+from angelspec.drafters.dfly import DFlashDrafter, DFlyDrafter
+from angelspec.drafters.mtp import MTPDrafter
 from angelspec.drafters.ngram import NgramDrafter
 
 ALIASES = {"ar": "none"}
-DRAFTERS = {"none": Drafter, "ngram": NgramDrafter}
+DRAFTERS = {"none": Drafter, "ngram": NgramDrafter, "mtp": MTPDrafter, "dfly": DFlyDrafter,
+            "dflash": DFlashDrafter}
+TRAINED = ("mtp", "dfly", "dflash")
+DEFAULT_DRAFTS = pathlib.Path("build/drafts")
+
+
+def parse_spec(name: str) -> tuple[str, dict]:
+    """"dfly:rescore_top_k=0,draft_vocab=0" -> ("dfly", {...}): a drafter with serving options
+    (benchmarks compare variants side by side). Unknown names raise ValueError."""
+    if not isinstance(name, str):
+        raise ValueError(f"drafter must be a string, got {type(name).__name__}")
+    base, _, opts = name.partition(":")
+    key = ALIASES.get(base, base)
+    if key not in DRAFTERS:
+        known = sorted(set(DRAFTERS) | set(ALIASES))
+        raise ValueError(f"unknown drafter {base!r}; known drafters: {', '.join(known)}")
+    options = {}
+    for item in filter(None, opts.split(",")):
+        k, sep, v = item.partition("=")
+        if not sep:
+            raise ValueError(f"drafter {name!r}: option {item!r} must look like key=value")
+        options[k] = int(v) if v.lstrip("-").isdigit() else v
+    return key, options
 
 
 def canonical(name: str) -> str:
-    """Map a user-facing drafter name to its registry name; unknown names raise ValueError."""
-    if not isinstance(name, str):
-        raise ValueError(f"drafter must be a string, got {type(name).__name__}")
-    key = ALIASES.get(name, name)
-    if key not in DRAFTERS:
-        known = sorted(set(DRAFTERS) | set(ALIASES))
-        raise ValueError(f"unknown drafter {name!r}; known drafters: {', '.join(known)}")
-    return key
+    """Registry name of a user-facing drafter name (with its options, if any)."""
+    key, options = parse_spec(name)
+    return key + (":" + ",".join(f"{k}={v}" for k, v in options.items()) if options else "")
 
 
-def make_drafter(name: str, draft_len: int | None = None) -> Drafter:
-    cls = DRAFTERS[canonical(name)]
-    return cls() if draft_len is None else cls(draft_len=draft_len)
+def make_drafter(name: str, draft_len: int | None = None, target=None,
+                 drafts: str | pathlib.Path | None = None) -> Drafter:
+    """Build a drafter; trained ones load `<drafts>/<name>/` and check it fits `target`."""
+    key, options = parse_spec(name)
+    if draft_len is not None:
+        options.setdefault("draft_len", draft_len)
+    cls = DRAFTERS[key]
+    try:
+        if key in TRAINED:
+            if target is None:
+                raise ValueError(f"the {key} drafter needs the target it was trained for")
+            return cls(target, pathlib.Path(drafts or DEFAULT_DRAFTS) / key, **options)
+        return cls(**options)
+    except TypeError as exc:
+        raise ValueError(f"drafter {name!r}: unsupported option ({exc})") from exc
 
 
-__all__ = ["ALIASES", "Drafter", "Proposal", "NgramDrafter", "canonical", "make_drafter", "DRAFTERS"]
+__all__ = ["ALIASES", "DEFAULT_DRAFTS", "Drafter", "Proposal", "NgramDrafter", "MTPDrafter",
+           "DFlyDrafter", "DFlashDrafter", "TRAINED", "canonical", "make_drafter", "parse_spec",
+           "DRAFTERS"]

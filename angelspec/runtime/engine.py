@@ -86,13 +86,15 @@ class Engine:
     """Serves many requests on one target; every request picks its drafter by name."""
 
     def __init__(self, target: Target, max_batch: int = 8, max_len: int = 2048,
-                 draft_len: int | None = None, drafters: dict[str, Drafter] | None = None):
+                 draft_len: int | None = None, drafters: dict[str, Drafter] | None = None,
+                 drafts: str | None = None):
         self.target, self.model = target, target.model
         self.max_batch = max_batch
         self.max_len = min(max_len, self.model.max_len)
         self.cache = self.model.new_cache(max_batch, self.max_len)
         self.draft_len = draft_len
         self.drafters: dict[str, Drafter] = dict(drafters or {})
+        self.drafts = drafts  # folder of trained drafts (<drafts>/mtp, /dfly, /dflash)
         self.prefill_time = 0.0  # seconds spent in prompt forwards (benchmarks separate decoding)
         self.steps = 0  # verification forwards run (one serves every active request)
 
@@ -102,7 +104,7 @@ class Engine:
         key = ALIASES.get(name, name) if isinstance(name, str) else name
         if key not in self.drafters:
             key = canonical(key)
-            self.drafters[key] = make_drafter(key, self.draft_len)
+            self.drafters[key] = make_drafter(key, self.draft_len, self.target, self.drafts)
         return key
 
     def drafter(self, name: str) -> Drafter:

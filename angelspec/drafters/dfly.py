@@ -1,0 +1,124 @@
+"""DFly and its baseline DFlash (ALGORITHMS.md section 2): a block-diffusion draft that fills
+[anchor, MASK, ..., MASK] in one parallel pass, conditioned on evenly spaced target layers.
+
+Each draft layer attends over [context features ; block] with ONE k/v projection, bidirectionally
+inside the block. DFly adds (1) a per-layer softmax mixture of the target layers on top of the
+shared projection (distance-prior init) and (2) a predecessor-conditioned AR head before the
+lm_head (zero-initialised down projection: untrained, it is exactly DFlash). DFlash is this code
+with both switched off."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from angelspec.drafters.modules import DecoderLayer, Linear, RMSNorm, SwiGLU, grouped
+from angelspec.drafters.trained import GrowingKV, TrainedDrafter
+
+
+def distance_prior(num_draft_layers: int, k: int, sharpness: float) -> torch.Tensor:
+    """Mixture logits [Ld, K]: draft layer l prefers the target layers at its relative depth."""
+    centre = torch.linspace(0, k - 1, num_draft_layers) if num_draft_layers > 1 \
+        else torch.tensor([(k - 1) / 2])
+    return -sharpness * (torch.arange(k)[None, :] - centre[:, None]).abs()
+
+
+def candidates(base_logits: torch.Tensor, k: int) -> torch.Tensor | None:
+    """Draft-vocabulary indices [..., k] the AR head re-scores (None: the whole vocabulary). The
+    head is a correction of the backbone, so its choice lies among the backbone's best few."""
+    if not k or k >= base_logits.shape[-1]:
+        return None
+    return base_logits.topk(k, dim=-1).indices
+
+
+class DFly(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        h, k, eps = cfg.hidden_size, len(cfg.target_layers), cfg.rms_norm_eps
+        self.cfg = cfg
+        self.fc = Linear(k * h, h, bias=False)
+        n_norms = cfg.num_layers if cfg.hybrid else 1
+        self.ctx_norms = nn.ModuleList(RMSNorm(h, eps) for _ in range(n_norms))
+        if cfg.hybrid:
+            self.mix = nn.Parameter(distance_prior(cfg.num_layers, k, cfg.prior_sharpness))
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.mask_embed = nn.Parameter(torch.zeros(h))
+        if cfg.ar_head:
+            self.prev_norm = RMSNorm(h, eps)
+            self.head_norm = RMSNorm(h, eps)
+            self.ar = SwiGLU(2 * h, h, h)
+            nn.init.zeros_(self.ar.down.weight)
+        self.register_buffer("vocab_ids", torch.arange(cfg.draft_vocab or cfg.vocab_size))
+
+    def context(self, feats: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Target hidden states of the K layers [..., T, h] each -> context per draft layer."""
+        base = self.fc(torch.cat(feats, dim=-1))
+        if not self.cfg.hybrid:
+            return [self.ctx_norms[0](base)] * len(self.layers)
+        stack = torch.stack(feats, dim=-1)  # [..., T, h, K]
+        w = torch.softmax(self.mix, dim=-1)
+        return [norm(base + stack @ w[l]) for l, norm in enumerate(self.ctx_norms)]
+
+    def context_kv(self, ctx: list[torch.Tensor], cos, sin) -> list[tuple]:
+        return [layer.kv(c, cos, sin) for layer, c in zip(self.layers, ctx)]
+
+    def block(self, x: torch.Tensor, cos, sin, ctx_kv: list[tuple],
+              ctx_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., A, B, h]: A blocks of B positions; ctx_kv per layer ([..., Hkv, T, D] each);
+        ctx_mask [..., A, T]: which context positions each block sees (None: all)."""
+        for layer, (kc, vc) in zip(self.layers, ctx_kv):
+            q, kb, vb = layer.qkv(x, cos, sin)  # [..., A, H(kv), B, D]
+            qg = grouped(q, layer.nkv) * layer.hd ** -0.5  # [..., A, Hkv, G, B, D]
+            s_ctx = qg @ kc.unsqueeze(-4).unsqueeze(-3).transpose(-1, -2)  # [..., A, Hkv, G, B, T]
+            if ctx_mask is not None:
+                s_ctx = s_ctx.masked_fill(~ctx_mask[..., None, None, None, :], float("-inf"))
+            s_blk = qg @ kb.unsqueeze(-3).transpose(-1, -2)  # [..., A, Hkv, G, B, B]
+            p = torch.softmax(torch.cat([s_ctx, s_blk], dim=-1), dim=-1)
+            t = kc.shape[-2]
+            out = p[..., :t] @ vc.unsqueeze(-4).unsqueeze(-3) + p[..., t:] @ vb.unsqueeze(-3)
+            x = layer.finish(x, out.flatten(-4, -3))
+        return x
+
+    def head(self, h: torch.Tensor, prev_emb: torch.Tensor | None) -> torch.Tensor:
+        """Hidden states before the lm_head; DFly corrects each by its predecessor token."""
+        if not self.cfg.ar_head:
+            return h
+        return h + self.ar(torch.cat([self.head_norm(h), self.prev_norm(prev_emb)], dim=-1))
+
+
+class DFlyDrafter(TrainedDrafter):
+    name = "dfly"
+    model_cls = DFly
+
+    def draft(self, s, k: int):
+        model, fz, st = self.model, self.frozen, s.drafter_state
+        caches = st.setdefault("kv", [GrowingKV(l.nkv, l.hd) for l in model.layers])
+        start = st.get("ctx", 0)
+        feats = self.take_pending(s)
+        n = start + len(feats[self.capture[0]])
+        ctx = model.context([feats[l] for l in self.cfg.target_layers])
+        for cache, (kk, vv) in zip(caches, model.context_kv(ctx, *fz.rope_tables(torch.arange(start, n)))):
+            cache.write(start, kk, vv)
+        st["ctx"] = n
+        b = self.cfg.block_size
+        anchor = s.tokens[-1]  # at position n: the newest committed token
+        x = torch.cat([fz.embed[anchor][None], model.mask_embed.expand(b - 1, -1)])[None]
+        hidden = model.block(x, *fz.rope_tables(torch.arange(n, n + b)[None]),
+                             [c.upto(n) for c in caches])[0, 1: k + 1]
+        base = fz.logits(hidden)  # the backbone's own guess for every position, one product
+        if not self.cfg.ar_head:
+            return self.choose(base, s)
+        tokens, confs, qs, prev = [], [], [], torch.tensor([anchor])
+        cand = candidates(base, self.cfg.rescore_top_k)
+        for i in range(len(hidden)):  # the chain: each link conditioned on the token before it
+            rows = None if cand is None else cand[i: i + 1]
+            logits = fz.logits(model.head(hidden[i: i + 1], fz.embed[prev]), rows)
+            t, c, q = self.choose(logits, s, None if rows is None else fz.vocab_ids[rows])
+            tokens.append(t)
+            confs.append(c)
+            qs.append(q)
+            prev = t
+        return torch.cat(tokens), torch.cat(confs), None if qs[0] is None else torch.cat(qs)
+
+
+class DFlashDrafter(DFlyDrafter):
+    name = "dflash"

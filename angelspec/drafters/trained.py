@@ -1,0 +1,113 @@
+"""Serving side shared by the trained drafters (mtp, dfly, dflash): load a draft for a target,
+keep per-request KV caches, and turn draft logits into proposals."""
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import torch
+
+from angelspec.drafters.base import Drafter, Proposal
+from angelspec.drafters.draft_checkpoint import DraftConfig, load_draft
+from angelspec.drafters.modules import Frozen
+
+
+class GrowingKV:
+    """One request's keys and values [Hkv, T, D] of a draft layer, grown as positions arrive."""
+
+    def __init__(self, nkv: int, hd: int):
+        self.k = torch.zeros(nkv, 64, hd)
+        self.v = torch.zeros(nkv, 64, hd)
+
+    def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        end = start + k.shape[-2]
+        if end > self.k.shape[1]:
+            grow = lambda t: torch.cat([t, torch.zeros_like(t)[:, : max(end, t.shape[1])]], 1)  # noqa: E731
+            self.k, self.v = grow(self.k), grow(self.v)
+        self.k[:, start:end] = k
+        self.v[:, start:end] = v
+
+    def upto(self, end: int):
+        return self.k[:, :end], self.v[:, :end]
+
+
+def choose(logits: torch.Tensor, ids: torch.Tensor, state, vocab_size: int):
+    """Draft logits [n, m] over target token ids `ids` ([m] or [n, m]) -> (tokens [n],
+    confidence [n], q rows [n, vocab] or None).
+
+    Greedy requests get the argmax (q None = one-hot, as verification expects). Sampling requests
+    draw from the draft's own distribution after the request's temperature/top-k/top-p, and q is
+    that distribution over target ids. The confidence is the draft's probability of its token.
+    """
+    from angelspec.runtime.sampling import probs_from_logits, sample  # runtime imports drafters
+
+    ids = ids.expand(logits.shape)
+    if state.params.greedy:
+        probs = torch.softmax(logits.float(), -1)
+        idx = probs.argmax(-1, keepdim=True)
+        return ids.gather(-1, idx)[:, 0], probs.gather(-1, idx)[:, 0], None
+    probs = probs_from_logits(logits, state.params)
+    idx = sample(probs, state.generator)[:, None]
+    q = torch.zeros(len(idx), vocab_size).scatter_(-1, ids, probs)
+    return ids.gather(-1, idx)[:, 0], probs.gather(-1, idx)[:, 0], q
+
+
+class TrainedDrafter(Drafter):
+    """Base of the drafters built from a trained draft checkpoint. `model_cls` is the nn.Module."""
+    model_cls = None
+
+    SERVING_OPTIONS = ("draft_len", "rescore_top_k", "draft_vocab")
+
+    def __init__(self, target, path: str | pathlib.Path, **options):
+        """options: draft_len, rescore_top_k, draft_vocab=0 (serve over the full vocabulary)."""
+        cfg, state = load_draft(path, target)
+        if cfg.kind != self.name:
+            raise ValueError(f"{path} holds a {cfg.kind} draft, not {self.name}")
+        bad = set(options) - set(self.SERVING_OPTIONS)
+        if bad or options.get("draft_vocab", 0) != 0:
+            raise ValueError(f"{self.name}: serving options are {', '.join(self.SERVING_OPTIONS)} "
+                             "(draft_vocab=0 only: the full vocabulary)")
+        trained_vocab = state["vocab_ids"]
+        cfg = dataclasses.replace(cfg, **options)
+        super().__init__(cfg.draft_len)
+        self.cfg: DraftConfig = cfg
+        self.model = self.model_cls(dataclasses.replace(cfg, draft_vocab=len(trained_vocab)))
+        self.model.load_state_dict(state)
+        self.model.eval().requires_grad_(False)
+        vocab = self.model.vocab_ids if cfg.draft_vocab else torch.arange(cfg.vocab_size)
+        self.frozen = Frozen(target.model, vocab)
+        self.capture = tuple(cfg.target_layers)
+
+    def choose(self, logits: torch.Tensor, state, ids: torch.Tensor | None = None):
+        """Tokens from draft logits over the draft vocabulary, or over target ids `ids`."""
+        return choose(logits, self.frozen.vocab_ids if ids is None else ids, state,
+                      self.cfg.vocab_size)
+
+    def release(self, state) -> None:
+        state.drafter_state.clear()
+
+    def on_commit(self, state, hidden: dict[int, torch.Tensor]) -> None:
+        """Queue the target's hidden rows of newly cached positions until the next proposal."""
+        pending = state.drafter_state.setdefault("pending", {l: [] for l in self.capture})
+        for l in self.capture:
+            pending[l].append(hidden[l])
+
+    @staticmethod
+    def take_pending(state) -> dict[int, torch.Tensor]:
+        pending = state.drafter_state.get("pending", {})
+        out = {l: torch.cat(rows) for l, rows in pending.items() if rows}
+        for rows in pending.values():
+            rows.clear()
+        return out
+
+    @torch.inference_mode()
+    def propose(self, states: list) -> list[Proposal]:
+        out = []
+        for s in states:
+            k = self.draft_len
+            tokens, conf, q = self.draft(s, k) if k > 0 else (torch.zeros(0, dtype=torch.long),) * 2 + (None,)
+            out.append(Proposal(tokens.long(), conf.float(), q))
+        return out
+
+    def draft(self, state, k: int):
+        raise NotImplementedError

@@ -1,0 +1,139 @@
+"""Training data: prompt sources, and the self-distilled build (responses, features, resume)."""
+import argparse
+import json
+import shutil
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from angelspec.bench import load_prompts
+from angelspec.runtime import Engine, Request, SamplingParams
+from angelspec.model import Segment
+from angelspec.training import data
+from angelspec.training.data import DOMAINS, Sequences, build
+from angelspec.training.sources import prompts
+
+FORBIDDEN = ("gsm", "humaneval", "mbpp", "mt_bench", "mt-bench", "hendrycks", "competition_math")
+SETTINGS = dict(counts={d: 2 for d in DOMAINS}, heldout=1, max_new_tokens=8,
+                max_prompt_tokens=256, shard_size=4, progress=False)
+
+
+@pytest.mark.parametrize("domain", DOMAINS)
+def test_sources_are_deterministic_deduplicated_and_clean(domain):
+    rows = prompts(domain, 8, seed=0)
+    assert rows == prompts(domain, 8, seed=0) and rows != prompts(domain, 8, seed=1)
+    assert len(rows) == 8 and len({r["prompt"] for r in rows}) == 8
+    bench = {r["prompt"] for r in load_prompts(None)}
+    for r in rows:
+        assert set(r) == {"prompt", "domain", "source"} and r["domain"] == domain
+        assert 0 < len(r["prompt"]) <= 1200 and r["prompt"] not in bench
+        assert not any(f in r["source"].lower() for f in FORBIDDEN)
+
+
+def test_a_missing_source_package_names_the_pip_command(monkeypatch):
+    monkeypatch.setitem(sys.modules, "reasoning_gym", None)
+    with pytest.raises(RuntimeError, match=r"pip install reasoning-gym==0\.1\.25"):
+        prompts("math", 2, seed=0)
+
+
+def test_reading_a_folder_without_data_says_what_to_run(tmp_path):
+    with pytest.raises(FileNotFoundError, match="angelspec data"):
+        Sequences(tmp_path)
+
+
+def test_arguments_map_onto_build():
+    p = argparse.ArgumentParser()
+    data.add_arguments(p)
+    a = p.parse_args(["--chat", "3", "--math", "0", "--temperature", "0.7", "--out", "x"])
+    assert (a.chat, a.code, a.math, a.temperature, a.out) == (3, 1000, 0, 0.7, "x")
+
+
+@pytest.fixture(scope="module")
+def built(default_target, tmp_path_factory):
+    out = tmp_path_factory.mktemp("data")
+    return out, build(default_target, out, **SETTINGS)
+
+
+@pytest.mark.slow
+def test_build_writes_shards_features_manifest_and_heldout(built, default_target):
+    out, m = built
+    assert json.loads((out / "manifest.json").read_text()) == m
+    assert m["counts"] == {d: 2 for d in DOMAINS} and m["heldout"] == {d: 1 for d in DOMAINS}
+    assert [s["n"] for s in m["shards"]] == [4, 2] and m["totals"]["sequences"] == 6
+    assert m["layers"][-1] == default_target.config.num_layers and m["hidden_size"] == 576
+    assert m["feature_ms_per_1k_tokens"] > 0 and m["generation_tokens_per_s"] > 0
+    assert m["generation"]["drafter"] == "ngram"
+    held = load_prompts(out / "heldout.jsonl")
+    assert sorted(r["domain"] for r in held) == list(DOMAINS)
+    s = load_file(str(out / "shard-00000.safetensors"))
+    assert s["tokens"].dtype == torch.int32 and s["offsets"].dtype == torch.int64
+    assert s["offsets"][-1] == len(s["tokens"]) == m["shards"][0]["n_tokens"]
+    f = load_file(str(out / "features-00000.safetensors"))
+    assert set(f) == {f"layer_{l}" for l in m["layers"]}
+    assert all(t.dtype == torch.bfloat16 and t.shape == (len(s["tokens"]), 576) for t in f.values())
+
+
+@pytest.mark.slow
+def test_responses_are_the_targets_plain_greedy_continuations(built, default_target):
+    out, _ = built
+    seqs = Sequences(out, layers=[])
+    rows = [json.loads(l) for l in (out / "prompts.jsonl").read_text().splitlines()]
+    assert len(seqs) == len(rows) == 6
+    items = [seqs[i] for i in range(len(seqs))]
+    engine = Engine(default_target, max_batch=8, max_len=512)
+    reqs = [Request(default_target.encode_chat(r["prompt"]), SamplingParams(max_new_tokens=8))
+            for r in rows]
+    for x, r, req, res in zip(items, rows, reqs, engine.generate(reqs)):
+        assert x["tokens"][:x["prompt_len"]].tolist() == req.prompt_ids
+        assert x["tokens"][x["prompt_len"]:].tolist() == res.tokens
+        assert x["domain"] == DOMAINS.index(r["domain"]) and x["features"] == {}
+
+
+@pytest.mark.slow
+def test_features_are_the_targets_hidden_states(built, default_target):
+    out, m = built
+    seqs, model = Sequences(out), default_target.model
+    for i in (0, 5):
+        x = seqs[i]
+        n = len(x["tokens"])
+        _, ref = model.forward(x["tokens"], model.batch([Segment(0, 0, n)]), model.new_cache(1, n),
+                               capture=tuple(m["layers"]))
+        for l in m["layers"]:
+            torch.testing.assert_close(x["features"][l], ref[l], rtol=1e-2,
+                                       atol=1e-2 * ref[l].abs().max().item())
+
+
+@pytest.mark.slow
+def test_a_rerun_resumes_and_does_no_finished_work(built, default_target, tmp_path, monkeypatch):
+    src, m = built
+    out = tmp_path / "data"
+    shutil.copytree(src, out)
+
+    def no_engine(*a, **k):
+        raise AssertionError("a finished folder must not generate")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(data, "Engine", no_engine)
+        assert build(default_target, out, **SETTINGS) == m
+    first = (out / "shard-00000.safetensors").stat().st_mtime_ns
+    (out / "shard-00001.safetensors").unlink()  # an interrupted build: only shard 1 is redone
+    again = build(default_target, out, **SETTINGS)
+    assert (out / "shard-00000.safetensors").stat().st_mtime_ns == first
+    assert load_file(str(out / "shard-00001.safetensors"))["tokens"].equal(
+        load_file(str(src / "shard-00001.safetensors"))["tokens"])
+    assert [s["n_tokens"] for s in again["shards"]] == [s["n_tokens"] for s in m["shards"]]
+
+
+@pytest.mark.slow
+def test_another_target_or_setting_is_refused(built, default_target, tmp_path):
+    src, _ = built
+    out = tmp_path / "data"
+    shutil.copytree(src, out)
+    with pytest.raises(ValueError, match="generation.max_new_tokens.*another --out"):
+        build(default_target, out, **{**SETTINGS, "max_new_tokens": 9})
+    m = json.loads((out / "manifest.json").read_text())
+    (out / "manifest.json").write_text(json.dumps({**m, "target_hash": "0" * 64}))
+    with pytest.raises(ValueError, match="target_hash.*delete the folder"):
+        build(default_target, out, **SETTINGS)

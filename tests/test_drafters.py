@@ -1,0 +1,226 @@
+"""Trained drafters (mtp, dfly, dflash) on tiny random targets: the block mask, the TTT rollout,
+the AR head at initialisation, training equals serving, checkpoints, and lossless decoding."""
+import pytest
+import torch
+
+from angelspec.checkpoint import CheckpointError, load_target
+from angelspec.drafters import make_drafter
+from angelspec.drafters.dfly import DFly
+from angelspec.drafters.draft_checkpoint import DraftConfig, load_draft, save_draft
+from angelspec.drafters.modules import Frozen
+from angelspec.drafters.mtp import MTP
+from angelspec.drafters.target_layers import dfly_layers
+from angelspec.model import Segment
+from angelspec.runtime import Engine, Request, SamplingParams
+from angelspec.runtime.engine import RequestState
+from angelspec.training.objectives import block_hidden, greedy_chain, rollout
+from conftest import make_checkpoint
+
+
+@pytest.fixture(scope="module")
+def target8(tmp_path_factory):
+    """An 8-layer tiny target (5 distinct DFly layers) with a character tokenizer."""
+    path = tmp_path_factory.mktemp("tiny8")
+    make_checkpoint(path, num_hidden_layers=8, seed=3)
+    return load_target(path, max_len=512)
+
+
+def draft(target, kind, vocab=0, seed=0, **kw):
+    """A randomly initialised draft (AR head weights made non-zero so it matters)."""
+    n = target.config.num_layers
+    if kind == "mtp":
+        cfg = DraftConfig.for_target(target, kind, target_layers=[n], draft_vocab=vocab)
+        model = MTP(cfg)
+    else:
+        on = kind == "dfly"
+        cfg = DraftConfig.for_target(target, kind, target_layers=dfly_layers(n), num_layers=2,
+                                     block_size=kw.get("block_size", 6), draft_len=kw.get("block_size", 6) - 1,
+                                     hybrid=kw.get("hybrid", on), ar_head=kw.get("ar_head", on),
+                                     draft_vocab=vocab)
+        model = DFly(cfg)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+        if vocab:
+            model.vocab_ids.copy_(torch.randperm(cfg.vocab_size)[:vocab].sort().values)
+    return cfg, model.eval()
+
+
+def features(target, tokens: list[int], layers) -> dict:
+    n = len(tokens)
+    _, hidden = target.model.forward(torch.tensor(tokens), target.model.batch([Segment(0, 0, n)]),
+                                     target.model.new_cache(1, n), capture=tuple(layers))
+    return {l: h.clone() for l, h in hidden.items()}
+
+
+def state_at(tokens, n, drafter, feats, temperature=0.0):
+    """A request whose target cache holds tokens[:n] and whose newest token is tokens[n]."""
+    s = RequestState(0, list(tokens[: n + 1]), 1, SamplingParams(temperature=temperature), "x",
+                     torch.Generator().manual_seed(0) if temperature else None)
+    drafter.on_commit(s, {l: feats[l][:n] for l in drafter.capture})
+    return s
+
+
+def served(target, tmp_path, cfg, model, k=None):
+    save_draft(tmp_path / cfg.kind, cfg, model.state_dict())
+    return make_drafter(cfg.kind, k, target, tmp_path)
+
+
+def test_ttt_rollout_feeds_own_tokens_from_step_2(target8):
+    cfg, model = draft(target8, "mtp")
+    fz = Frozen(target8.model, model.vocab_ids)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 96, (1, 24), generator=g)
+    h = features(target8, tokens[0].tolist(), [8])[8][None]
+    base = rollout(model, fz, tokens, h, steps=4)
+    i = 6
+    changed = tokens.clone()
+    changed[0, i + 2] = (changed[0, i + 2] + 5) % 96  # what teacher forcing would feed at step 2
+    after = rollout(model, fz, changed, h, steps=4)
+    for step in (1, 2, 3, 4):  # base i reads t[i+1] and its own tokens only
+        assert torch.allclose(base[step - 1][0, i], after[step - 1][0, i], atol=1e-5)
+    assert not torch.allclose(base[0][0, i + 1], after[0][0, i + 1])  # t[i+2] does matter there
+
+
+@pytest.mark.parametrize("vocab", [0, 40])
+def test_mtp_training_equals_serving(target8, tmp_path, vocab):
+    cfg, model = draft(target8, "mtp", vocab=vocab)
+    drafter = served(target8, tmp_path, cfg, model, k=3)
+    fz = drafter.frozen
+    tokens = torch.randint(0, 96, (30,), generator=torch.Generator().manual_seed(2)).tolist()
+    feats = features(target8, tokens, [8])
+    logits = rollout(drafter.model, fz, torch.tensor([tokens]), feats[8][None], steps=3)
+    for n in (5, 17, 28):
+        prop = drafter.propose([state_at(tokens, n, drafter, feats)])[0]
+        expect = [int(fz.vocab_ids[l[0, n - 1].argmax()]) for l in logits]
+        assert prop.tokens.tolist() == expect
+        assert prop.q is None and ((prop.confidence > 0) & (prop.confidence <= 1)).all()
+
+
+def test_block_mask(target8):
+    cfg, model = draft(target8, "dfly")
+    fz = Frozen(target8.model, model.vocab_ids)
+    T = 32
+    g = torch.Generator().manual_seed(4)
+    tokens = torch.randint(0, 96, (1, T), generator=g)
+    feats = {l: torch.randn(1, T, cfg.hidden_size, generator=g) for l in cfg.target_layers + [8]}
+    anchors = torch.tensor([[5, 12, 20]])
+    base = block_hidden(model, fz, tokens, feats, anchors)
+    # the block at 12 sees features before 12 and its own anchor token; nothing else
+    f2 = {l: f.clone() for l, f in feats.items()}
+    t2 = torch.randint(0, 96, (1, T), generator=g)
+    t2[0, 12] = tokens[0, 12]
+    for f in f2.values():
+        f[0, 12:] += 1.0
+    after = block_hidden(model, fz, t2, f2, anchors)
+    assert torch.allclose(base[0, 1], after[0, 1], atol=1e-5)
+    assert not torch.allclose(base[0, 2], after[0, 2])  # the block at 20 sees 12..19
+    assert not torch.allclose(base[0, 0], after[0, 0])  # its anchor token changed
+    f3 = {l: f.clone() for l, f in feats.items()}
+    for f in f3.values():
+        f[0, 11] += 1.0
+    assert not torch.allclose(base[0, 1], block_hidden(model, fz, tokens, f3, anchors)[0, 1])
+
+
+def test_ar_head_is_a_no_op_at_initialisation(target8):
+    """Untrained AR head (zero down projection) and no hybrid conditioning: DFly == DFlash."""
+    n = target8.config.num_layers
+    common = dict(target_layers=dfly_layers(n), num_layers=2, block_size=6, hybrid=False)
+    fly = DFly(DraftConfig.for_target(target8, "dfly", ar_head=True, **common))
+    flash = DFly(DraftConfig.for_target(target8, "dflash", ar_head=False, **common))
+    missing, unexpected = flash.load_state_dict(fly.state_dict(), strict=False)
+    assert not missing and all(k.startswith(("ar.", "prev_norm", "head_norm")) for k in unexpected)
+    fz = Frozen(target8.model, fly.vocab_ids)
+    tokens = torch.randint(0, 96, (1, 30), generator=torch.Generator().manual_seed(5))
+    feats = features(target8, tokens[0].tolist(), dfly_layers(n))
+    feats = {l: f[None] for l, f in feats.items()}
+    anchors = torch.tensor([[8, 15]])
+    h = block_hidden(fly, fz, tokens, feats, anchors)
+    assert torch.equal(h, block_hidden(flash, fz, tokens, feats, anchors))
+    prev = fz.embed[tokens[0, :5]][None, None].expand(1, 2, -1, -1)
+    assert torch.equal(fly.head(h[..., :5, :], prev), flash.head(h[..., :5, :], prev))
+
+
+@pytest.mark.parametrize("kind,vocab,rescore", [("dfly", 0, 16), ("dfly", 40, 16), ("dfly", 40, 0),
+                                                ("dflash", 0, 16)])
+def test_block_training_equals_serving(target8, tmp_path, kind, vocab, rescore):
+    cfg, model = draft(target8, kind, vocab=vocab)
+    cfg.rescore_top_k = rescore
+    drafter = served(target8, tmp_path, cfg, model)
+    fz = drafter.frozen
+    tokens = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(6)).tolist()
+    feats = features(target8, tokens, cfg.target_layers)
+    batch = torch.tensor([tokens])
+    for n in (4, 21, 33):
+        hidden = block_hidden(drafter.model, fz, batch, {l: f[None] for l, f in feats.items()},
+                              torch.tensor([[n]]))
+        expect = greedy_chain(drafter.model, fz, hidden, torch.tensor([[tokens[n]]])) \
+            if cfg.ar_head else fz.logits(hidden).argmax(-1)
+        prop = drafter.propose([state_at(tokens, n, drafter, feats)])[0]
+        assert prop.tokens.tolist() == fz.vocab_ids[expect[0, 0]].tolist()
+        assert len(prop.tokens) == cfg.block_size - 1
+
+
+def test_checkpoint_round_trip_and_mismatch(target8, tmp_path):
+    cfg, model = draft(target8, "dfly", vocab=40)
+    save_draft(tmp_path / "d", cfg, model.state_dict())
+    cfg2, state = load_draft(tmp_path / "d", target8)
+    assert cfg2 == cfg
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    other = tmp_path / "other"
+    make_checkpoint(other, hidden_size=32, num_attention_heads=2, num_key_value_heads=1)
+    with pytest.raises(CheckpointError, match="hidden size: draft 64, target 32"):
+        load_draft(tmp_path / "d", load_target(other))
+    with pytest.raises(CheckpointError, match="no trained draft"):
+        make_drafter("mtp", None, target8, tmp_path / "nowhere")
+    with pytest.raises(ValueError, match="holds a dfly draft, not mtp"):
+        save_draft(tmp_path / "mtp", cfg, model.state_dict())
+        make_drafter("mtp", None, target8, tmp_path)
+
+
+@pytest.mark.parametrize("kind", ["mtp", "dfly", "dflash"])
+def test_greedy_lossless_with_trained_drafters(target8, tmp_path, kind):
+    """Random drafts (mostly wrong) and the target's own greedy path must give the same tokens."""
+    cfg, model = draft(target8, kind, vocab=60 if kind != "dflash" else 0)
+    save_draft(tmp_path / kind, cfg, model.state_dict())
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(1, 96, (n,), generator=g).tolist() for n in (3, 11, 25)]
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    ref = Engine(target8, max_batch=1, max_len=128).generate(
+        [Request(p, params, "none") for p in prompts])
+    for batch in (1, 3):
+        eng = Engine(target8, max_batch=batch, max_len=128, drafts=str(tmp_path))
+        out = eng.generate([Request(p, params, kind) for p in prompts])
+        assert [r.tokens for r in out] == [r.tokens for r in ref]
+        assert sum(r.stats.drafted for r in out) > 0
+
+
+def test_sampling_with_trained_drafter_is_seeded(target8, tmp_path):
+    cfg, model = draft(target8, "dfly", vocab=60)
+    save_draft(tmp_path / "dfly", cfg, model.state_dict())
+    eng = Engine(target8, max_batch=2, max_len=128, drafts=str(tmp_path))
+
+    def run(seed):
+        p = SamplingParams(max_new_tokens=30, temperature=0.9, top_p=0.95, seed=seed, ignore_eos=True)
+        return eng.generate([Request([5, 6, 7], p, "dfly")])[0].tokens
+    assert run(1) == run(1)
+    assert run(1) != run(2)
+
+
+def test_serving_options(target8, tmp_path):
+    """`name:key=value` serves a variant: draft length, candidate re-scoring, full vocabulary."""
+    cfg, model = draft(target8, "dfly", vocab=40)
+    save_draft(tmp_path / "dfly", cfg, model.state_dict())
+    eng = Engine(target8, max_batch=1, max_len=128, drafts=str(tmp_path))
+    assert eng.drafter("dfly:draft_len=2").draft_len == 2
+    assert eng.drafter("dfly:rescore_top_k=0").cfg.rescore_top_k == 0
+    assert len(eng.drafter("dfly:draft_vocab=0").frozen.vocab_ids) == 97
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    outs = [eng.generate([Request([3, 4, 5], params, d)])[0] for d in
+            ("none", "dfly:draft_len=2", "dfly:rescore_top_k=0", "dfly:draft_vocab=0")]
+    assert all(o.tokens == outs[0].tokens for o in outs)
+    assert outs[1].stats.drafted <= 2 * outs[1].stats.steps
+    for bad in ("dfly:block=4", "dfly:draft_vocab=10", "dfly:rescore"):
+        with pytest.raises(ValueError, match="dfly"):
+            eng.drafter(bad)

@@ -1,0 +1,95 @@
+"""The trainers end to end on a tiny target: recipes, loss goes down, resume, torchrun/DDP."""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from angelspec.checkpoint import load_target
+from angelspec.drafters.draft_checkpoint import load_draft
+from angelspec.training.data import build
+from angelspec.training.train import load_recipe, train
+from conftest import make_checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    """A tiny 8-layer target with a character tokenizer and its self-distilled data folder."""
+    root = tmp_path_factory.mktemp("training")
+    make_checkpoint(root / "target", num_hidden_layers=8, seed=3)
+    target = load_target(root / "target", max_len=512)
+    build(target, root / "data", {"chat": 8, "code": 8, "math": 8}, heldout=1, max_new_tokens=32,
+          max_prompt_tokens=200, batch_size=4, shard_size=8, progress=False)
+    return target, root
+
+
+def recipe(name, root, **kw):
+    sets = {**dict(data=str(root / "data"), out=str(root / "drafts" / name), draft_vocab=60,
+                   domains=["chat", "code", "math"], val_sequences=3, warmup=3, eval_every=1000,
+                   save_every=1000), **kw}
+    return load_recipe(name, overrides=[f"{k}={json.dumps(v)}" for k, v in sets.items()])
+
+
+def log_rows(out) -> list[dict]:
+    return [json.loads(l) for l in (pathlib.Path(out) / "log.jsonl").read_text().splitlines()]
+
+
+def test_recipes_resolve_and_reject_mistakes():
+    fly, flash = load_recipe("dfly"), load_recipe("dflash")
+    assert (fly["hybrid"], fly["ar_head"]) == (True, True)
+    assert (flash["hybrid"], flash["ar_head"], flash["kind"]) == (False, False, "dflash")
+    assert {k: v for k, v in fly.items() if k not in ("hybrid", "ar_head", "kind", "out")} == \
+        {k: v for k, v in flash.items() if k not in ("hybrid", "ar_head", "kind", "out")}
+    for name in ("mtp", "dfly", "dflash"):
+        assert load_recipe(name, "quick")["steps"] < load_recipe(name, "full")["steps"]
+    assert load_recipe("dflash", "quick")["steps"] == load_recipe("dfly", "quick")["steps"]
+    assert load_recipe("mtp", overrides=["lr=5e-4"])["lr"] == 5e-4
+    with pytest.raises(ValueError, match="no key 'learning_rate'"):
+        load_recipe("mtp", overrides=["learning_rate=1"])
+    with pytest.raises(ValueError, match="unknown recipe 'eagle'"):
+        load_recipe("eagle")
+
+
+@pytest.mark.parametrize("kind", ["mtp", "dfly", "dflash"])
+def test_training_reduces_the_loss(tiny_data, kind):
+    target, root = tiny_data
+    r = recipe(kind, root, steps=40, lr=3e-3, **({} if kind == "mtp" else {"tv_fraction": 0.0}))
+    train(r, target, progress=False, restart=True)
+    rows = log_rows(r["out"])
+    first = sum(x["loss"] for x in rows[:5]) / 5
+    last = sum(x["loss"] for x in rows[-5:]) / 5
+    assert last < 0.8 * first, (first, last)
+    cfg, _ = load_draft(r["out"], target)
+    assert (cfg.kind, cfg.trained_steps, cfg.target) == (kind, 40, str(target.path))
+
+
+def test_training_resumes(tiny_data):
+    target, root = tiny_data
+    r = recipe("dfly", root, steps=6, save_every=3)
+    r["out"] = str(root / "drafts" / "resume")
+    train(r, target, progress=False, restart=True)
+    assert [x["step"] for x in log_rows(r["out"])] == [1, 2, 3, 4, 5, 6]
+    train({**r, "steps": 9}, target, progress=False)  # longer budget: continues from 6
+    assert [x["step"] for x in log_rows(r["out"])][6:] == [7, 8, 9]
+    assert train({**r, "steps": 9}, target, progress=False)["step"] == 9  # done: no new work
+    assert len(log_rows(r["out"])) == 9
+    assert load_draft(r["out"])[0].trained_steps == 9
+
+
+def test_torchrun_two_processes_keep_identical_weights(tiny_data):
+    target, root = tiny_data
+    out = root / "drafts" / "ddp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "angelspec.cli", "train", "--recipe", "mtp",
+           "--target", str(target.path), "--restart"]
+    for k, v in dict(data=str(root / "data"), out=str(out), steps=3, draft_vocab=60,
+                     domains=["chat", "code", "math"], val_sequences=2, batch_size=2).items():
+        cmd += ["--set", f"{k}={json.dumps(v)}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [(out / f"rank{r}.sha256").read_text() for r in (0, 1)]
+    assert ranks[0] == ranks[1]
+    assert [x["step"] for x in log_rows(out)] == [1, 2, 3]

@@ -1,0 +1,183 @@
+"""Training objectives: MTP's TTT rollout and the block objective of DFly/DFlash.
+
+A batch is S sequences padded to T: tokens [S, T], `label_ok` [S, T] (True where the token is a
+response token the target generated, i.e. a fair label), features {layer: [S, T, h]} (the frozen
+target's hidden states, cached by the data step). Labels map to the draft vocabulary; tokens
+outside it are not trained on. Each objective returns (loss, metrics), where metrics["tau"] is the
+mean accept length greedy drafting would reach on these positions (accepted + 1 bonus).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from angelspec.drafters.dfly import candidates
+from angelspec.drafters.modules import Frozen, attend
+
+
+def leading(correct: torch.Tensor) -> torch.Tensor:
+    """[..., D] bool -> number of leading Trues (accepted draft tokens)."""
+    return correct.int().cumprod(-1).sum(-1)
+
+
+def rollout(model, fz: Frozen, tokens, h_last, steps: int = 4) -> list[torch.Tensor]:
+    """MTP's training-time-test rollout: draft logits [S, T-1, Vd] of each step.
+
+    Base position i: step 1 reads (embed(t[i+1]), target hidden h[i]) at position i; step k >= 2
+    reads the draft's own previous output and its own stop-gradient argmax token at position
+    i+k-1, attending to the real keys up to i plus the diagonal keys of the earlier steps, exactly
+    what serving sees after k-1 drafted tokens.
+    """
+    n = tokens.shape[1] - 1
+    x = model.inputs(fz.embed[tokens[:, 1:]], h_last[:, :-1])
+    pos = torch.arange(n)
+    q, k_real, v_real = model.layer.qkv(x, *fz.rope_tables(pos))
+    causal = pos[:, None] >= pos[None, :]
+    o = model.layer.finish(x, attend(q, k_real, v_real, causal))
+    out, extra = [fz.logits(o)], []
+    for step in range(2, steps + 1):
+        prev = fz.vocab_ids[out[-1].argmax(-1)].detach()
+        x = model.inputs(fz.embed[prev], o)
+        q, ks, vs = model.layer.qkv(x, *fz.rope_tables(pos + step - 1))
+        extra.append((ks, vs))
+        o = model.layer.finish(x, attend(q, k_real, v_real, causal, tuple(extra)))
+        out.append(fz.logits(o))
+    return out
+
+
+def ttt_rollout(model, fz: Frozen, tokens, label_ok, feats, steps: int = 4, draft_len: int = 3):
+    """MTP loss (ALGORITHMS.md section 1): the label of step k at base i is always t[i+k+1],
+    even after the draft's own tokens diverged; the loss is the mean of the step losses."""
+    S, T = tokens.shape
+    n = T - 1
+    all_logits = rollout(model, fz, tokens, feats[model.cfg.target_num_layers], steps)
+    losses, hits, oks = [], [], []
+    for step, logits in enumerate(all_logits, 1):
+        # label t[i+step+1] for base i: shift the tokens, pad the tail as invalid
+        lab = torch.full((S, n), -1, dtype=torch.long)
+        ok = torch.zeros(S, n, dtype=torch.bool)
+        if step + 1 < T:
+            lab[:, : T - step - 1] = fz.index[tokens[:, step + 1:]]
+            ok[:, : T - step - 1] = label_ok[:, step + 1:]
+        ok &= lab >= 0
+        oks.append(ok)
+        losses.append(F.cross_entropy(logits[ok], lab[ok]) if ok.any() else logits.sum() * 0)
+        hits.append((logits.argmax(-1) == lab) & ok)
+    loss = sum(losses) / len(losses)
+    metrics = {"loss": float(loss.detach())}
+    for i, (h, ok) in enumerate(zip(hits, oks)):
+        metrics[f"acc{i + 1}"] = float(h.sum()) / max(1, int(ok.sum()))
+    d = min(draft_len, steps)
+    base = torch.stack(oks[:d], -1).all(-1)  # every drafted step has a label: a fair estimate
+    if base.any():
+        metrics["tau"] = 1 + float(leading(torch.stack(hits[:d], -1)[base]).float().mean())
+    return loss, metrics
+
+
+def sample_anchors(label_ok: torch.Tensor, block: int, count: int, generator=None):
+    """Anchors [S, A] (and a validity mask) whose B-1 block labels are all response tokens."""
+    S, T = label_ok.shape
+    ok = torch.zeros_like(label_ok)
+    if T > block - 1:
+        # anchor a is usable when labels a+1..a+B-1 all exist and are response tokens
+        win = label_ok.int().unfold(1, block - 1, 1).all(-1)  # [S, T-B+2] for start a+1
+        ok[:, : win.shape[1] - 1] = win[:, 1:]
+    anchors = torch.zeros(S, count, dtype=torch.long)
+    valid = torch.zeros(S, count, dtype=torch.bool)
+    for s in range(S):
+        cand = ok[s].nonzero()[:, 0]
+        if len(cand):
+            pick = cand[torch.randperm(len(cand), generator=generator)[:count]]
+            anchors[s, : len(pick)], valid[s, : len(pick)] = pick, True
+    return anchors, valid
+
+
+def block_hidden(model, fz: Frozen, tokens, feats, anchors) -> torch.Tensor:
+    """Backbone output [S, A, B-1, h] of the blocks drafted at `anchors` [S, A]: block j is
+    [t[a], MASK...] at positions a..a+B-1 and sees the context strictly before a, and itself."""
+    B = model.cfg.block_size
+    S, T = tokens.shape
+    ctx = model.context([feats[l] for l in model.cfg.target_layers])
+    ctx_kv = model.context_kv(ctx, *fz.rope_tables(torch.arange(T)))
+    ctx_mask = torch.arange(T)[None, None, :] < anchors[..., None]  # [S, A, T]
+    x = torch.cat([fz.embed[tokens.gather(1, anchors)][..., None, :],
+                   model.mask_embed.expand(S, anchors.shape[1], B - 1, -1)], dim=-2)
+    pos = anchors[..., None] + torch.arange(B)
+    return model.block(x, *fz.rope_tables(pos), ctx_kv, ctx_mask)[..., 1:, :]
+
+
+def greedy_chain(model, fz: Frozen, hidden, anchor_tok) -> torch.Tensor:
+    """Serving's AR-head chain over blocks [..., B-1, h]: each link conditioned on the previous
+    link's argmax, re-scoring the backbone's top-k when the draft says so. -> vocab indices."""
+    cand = candidates(fz.logits(hidden), model.cfg.rescore_top_k)
+    preds, prev = [], anchor_tok
+    for i in range(hidden.shape[-2]):
+        rows = None if cand is None else cand[..., i, :]
+        idx = fz.logits(model.head(hidden[..., i, :], fz.embed[prev]), rows).argmax(-1)
+        if rows is not None:
+            idx = rows.gather(-1, idx[..., None])[..., 0]
+        preds.append(idx)
+        prev = fz.vocab_ids[idx]
+    return torch.stack(preds, -1)
+
+
+def block_objective(model, fz: Frozen, tokens, label_ok, feats, anchors, valid, loss: str = "ce",
+                    gamma: float = 4.0, greedy_eval: bool = False):
+    """DFly/DFlash with the multi-anchor block mask: every anchor a makes one block
+    [t[a], MASK...] at positions a..a+B-1 that sees the context strictly before a and itself.
+
+    loss "ce": cross-entropy to the target's tokens, position k weighted exp(-(k-1)/gamma);
+    loss "tv": end-to-end TV, 1 - mean_j prod_{i<=j} alpha_i with alpha = sum_x min(p, q), p the
+    target's distribution (over the draft vocabulary) and q the draft's.
+    greedy_eval: chain the AR head on the draft's own argmax (serving) instead of teacher forcing.
+    """
+    cfg = model.cfg
+    B = cfg.block_size
+    S, T = tokens.shape
+    hidden = block_hidden(model, fz, tokens, feats, anchors)
+    safe = (anchors[..., None] + torch.arange(B)).clamp(max=T - 1)
+    labels_tok = tokens.gather(1, safe[..., 1:].flatten(1)).view(S, -1, B - 1)
+    lab = fz.index[labels_tok]
+    ok = valid[..., None] & (lab >= 0)
+    prev_tok = tokens.gather(1, safe[..., :-1].flatten(1)).view(S, -1, B - 1)  # teacher forcing
+    if greedy_eval and cfg.ar_head:
+        pred, logits = greedy_chain(model, fz, hidden, tokens.gather(1, anchors)), None
+    else:
+        logits = fz.logits(model.head(hidden, fz.embed[prev_tok]))  # [S, A, B-1, Vd]
+        pred = logits.argmax(-1)
+    hits = (pred == lab) & ok
+    metrics = {"acc": float(hits.sum()) / max(1, int(ok.sum()))}
+    full = valid & ok.all(-1)
+    if full.any():
+        metrics["tau"] = 1 + float(leading(hits[full]).float().mean())
+    if logits is None:
+        return None, metrics
+    w = torch.exp(-torch.arange(B - 1, dtype=torch.float32) / gamma)
+    if loss == "ce":
+        ce = F.cross_entropy(logits.flatten(0, -2), lab.clamp(min=0).flatten(), reduction="none")
+        wk = (w * ok).flatten()
+        value = (ce * wk).sum() / wk.sum().clamp(min=1e-6)
+    elif loss == "tv":
+        # teacher: the target's distribution at position a+k-1 (which predicts t[a+k])
+        h_last = feats[cfg.target_num_layers]
+        src = safe[..., :-1].flatten(1)
+        p = torch.softmax(fz.logits(h_last.gather(1, src[..., None].expand(-1, -1, h_last.shape[-1])))
+                          .view(S, -1, B - 1, len(fz.vocab_ids)), -1)
+        q = torch.softmax(logits, -1)
+        alpha = torch.minimum(p, q).sum(-1) * valid[..., None]  # [S, A, B-1]
+        expected = alpha.cumprod(-1).mean(-1)  # expected accepted fraction of the block
+        value = 1 - expected[valid].mean() if valid.any() else logits.sum() * 0
+    else:
+        raise ValueError(f"unknown loss {loss!r} (ce or tv)")
+    metrics["loss"] = float(value.detach())
+    return value, metrics
+
+
+def cosine_lr(step: int, total: int, warmup: int, floor: float = 0.1) -> float:
+    """Learning-rate multiplier: linear warm-up, then cosine down to `floor`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    t = (step - warmup) / max(1, total - warmup)
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))

@@ -1,0 +1,330 @@
+"""`angelspec train --recipe mtp|dfly|dflash`: one loop for the three drafters.
+
+Reads the data step's sequences and cached target features, trains the draft against the frozen
+target, saves `<out>/model.safetensors` + `config.json` (a servable draft) and `train_state.pt`
+(optimizer, step: a rerun resumes), logs to `<out>/log.jsonl`. Multi-process with torchrun
+(DistributedDataParallel; gloo on CPU, NCCL on GPU): each process takes its share of every batch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import time
+
+import torch
+import torch.distributed as dist
+import yaml
+
+from angelspec.drafters.dfly import DFly
+from angelspec.drafters.draft_checkpoint import DraftConfig, load_draft, save_draft
+from angelspec.drafters.modules import Frozen
+from angelspec.drafters.mtp import MTP
+from angelspec.drafters.target_layers import dfly_layers, mtp_layers
+from angelspec.training.objectives import block_objective, cosine_lr, sample_anchors, ttt_rollout
+
+RECIPES = pathlib.Path(__file__).with_name("recipes")
+MODELS = {"mtp": MTP, "dfly": DFly, "dflash": DFly}
+
+
+# -- recipes ---------------------------------------------------------------------------------
+def parse_value(text: str):
+    """A YAML value; numbers like 5e-4 (a string to YAML 1.1) become floats."""
+    value = yaml.safe_load(text)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    return value
+
+
+def read_recipe(name: str) -> dict:
+    """A recipe's YAML (name in training/recipes or a path), its `inherit` base merged in."""
+    path = pathlib.Path(name)
+    if not path.suffix:
+        path = RECIPES / f"{name}.yaml"
+    if not path.exists():
+        known = ", ".join(sorted(p.stem for p in RECIPES.glob("*.yaml")))
+        raise ValueError(f"unknown recipe {name!r}: known recipes are {known}, or a YAML path")
+    raw = yaml.safe_load(path.read_text())
+    if "inherit" in raw:
+        base = read_recipe(raw.pop("inherit"))
+        presets = {**base.pop("presets", {}), **raw.pop("presets", {})}
+        raw = {**base, **raw, "presets": presets}
+    return raw
+
+
+def load_recipe(name: str, preset: str | None = None, overrides: list[str] = ()) -> dict:
+    """A recipe with its preset and key=value overrides applied."""
+    raw = read_recipe(name)
+    presets = raw.pop("presets", {})
+    if preset:
+        if preset not in presets:
+            raise ValueError(f"recipe {name} has no preset {preset!r} (has: {', '.join(presets)})")
+        raw.update(presets[preset])
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"override {item!r} must look like key=value")
+        if key not in raw:
+            raise ValueError(f"recipe {name} has no key {key!r} (keys: {', '.join(sorted(raw))})")
+        raw[key] = parse_value(value)
+    return raw
+
+
+# -- data ------------------------------------------------------------------------------------
+def collate(items: list[dict], max_len: int, layers: list[int]):
+    """Pad sequences to the longest (cut at max_len): tokens [S, T], label_ok [S, T], features."""
+    T = min(max_len, max(len(it["tokens"]) for it in items))
+    S, h = len(items), items[0]["features"][layers[0]].shape[-1]
+    tokens = torch.zeros(S, T, dtype=torch.long)
+    label_ok = torch.zeros(S, T, dtype=torch.bool)
+    feats = {l: torch.zeros(S, T, h) for l in layers}
+    for s, it in enumerate(items):
+        n = min(T, len(it["tokens"]))
+        tokens[s, :n] = it["tokens"][:n]
+        label_ok[s, it["prompt_len"]:n] = True
+        for l in layers:
+            feats[l][s, :n] = it["features"][l][:n]
+    return tokens, label_ok, feats
+
+
+def draft_vocab(seqs, indices: list[int], size: int, vocab_size: int, keep: list[int]) -> torch.Tensor:
+    """The `size` most frequent response tokens of the training sequences (+ `keep`), sorted."""
+    if not size or size >= vocab_size:
+        return torch.arange(vocab_size)
+    counts = torch.zeros(vocab_size)
+    for i in indices:
+        it = seqs[i]
+        counts += torch.bincount(it["tokens"][it["prompt_len"]:], minlength=vocab_size).float()
+    counts[torch.tensor(keep, dtype=torch.long)] = float("inf")
+    return counts.topk(size).indices.sort().values
+
+
+# -- model -----------------------------------------------------------------------------------
+def init_from_target(model: torch.nn.Module, target, fz: Frozen) -> None:
+    """Start draft layers from the target's last decoder layers; mask embedding = mean token."""
+    layers = [model.layer] if hasattr(model, "layer") else list(model.layers)
+    src = target.model.layers[-len(layers):]
+    c = target.config
+    nq, nkv, inter = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+    with torch.no_grad():
+        for dst, w in zip(layers, src):
+            q, k, v = w["qkv"].split([nq, nkv, nkv])
+            dst.q_proj.weight.copy_(q)
+            dst.k_proj.weight.copy_(k)
+            dst.v_proj.weight.copy_(v)
+            dst.o_proj.weight.copy_(w["o"])
+            dst.in_norm.weight.copy_(w["in_norm"])
+            dst.post_norm.weight.copy_(w["post_norm"])
+            dst.mlp.gate.weight.copy_(w["gate_up"][:inter])
+            dst.mlp.up.weight.copy_(w["gate_up"][inter:])
+            dst.mlp.down.weight.copy_(w["down"])
+        if hasattr(model, "mask_embed"):
+            model.mask_embed.copy_(fz.embed.mean(0))
+
+
+def draft_config(recipe: dict, target) -> DraftConfig:
+    kind = recipe["kind"]
+    n = target.config.num_layers
+    if kind == "mtp":
+        extra = dict(target_layers=mtp_layers(n), num_layers=1, draft_len=recipe["draft_len"])
+    else:
+        b = recipe["block_size"]
+        extra = dict(target_layers=dfly_layers(n), num_layers=recipe["num_layers"], block_size=b,
+                     draft_len=b - 1, hybrid=recipe["hybrid"], ar_head=recipe["ar_head"],
+                     prior_sharpness=recipe["prior_sharpness"])
+    vocab = recipe["draft_vocab"] if 0 < recipe["draft_vocab"] < target.config.vocab_size else 0
+    return DraftConfig.for_target(target, kind, draft_vocab=vocab, **extra)
+
+
+class Objective(torch.nn.Module):
+    """The draft plus its loss, as one module: DistributedDataParallel wraps this."""
+
+    def __init__(self, model, fz: Frozen, recipe: dict):
+        super().__init__()
+        self.model, self.fz, self.recipe = model, fz, recipe
+
+    def forward(self, tokens, label_ok, feats, anchors=None, valid=None, loss="ce"):
+        r = self.recipe
+        if r["kind"] == "mtp":
+            return ttt_rollout(self.model, self.fz, tokens, label_ok, feats, r["ttt_steps"],
+                               r["draft_len"])
+        return block_objective(self.model, self.fz, tokens, label_ok, feats, anchors, valid,
+                               loss=loss, gamma=r["gamma"])
+
+
+def evaluate(model, fz, recipe, seqs, indices, layers) -> dict:
+    """Held-out metrics; `tau` is the greedy accept length these drafts would reach."""
+    model.eval()
+    totals, weight = {}, 0
+    with torch.no_grad():
+        for i in range(0, len(indices), recipe["batch_size"]):
+            batch = collate([seqs[j] for j in indices[i: i + recipe["batch_size"]]],
+                            recipe["max_seq_len"], layers)
+            if recipe["kind"] == "mtp":
+                _, m = ttt_rollout(model, fz, *batch, recipe["ttt_steps"], recipe["draft_len"])
+            else:
+                g = torch.Generator().manual_seed(1234 + i)
+                anchors, valid = sample_anchors(batch[1], model.cfg.block_size, 64, g)
+                _, m = block_objective(model, fz, *batch, anchors, valid, greedy_eval=True)
+            for k, v in m.items():
+                totals[k] = totals.get(k, 0.0) + v
+            weight += 1
+    model.train()
+    return {f"val_{k}": v / max(1, weight) for k, v in totals.items()}
+
+
+# -- the loop --------------------------------------------------------------------------------
+def train(recipe: dict, target, progress: bool = True, restart: bool = False) -> dict:
+    from tqdm import tqdm
+
+    from angelspec.training.data import DOMAINS, Sequences
+
+    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if recipe.get("threads"):
+        torch.set_num_threads(recipe["threads"])
+    out = pathlib.Path(recipe["out"])
+    cfg = draft_config(recipe, target)
+    layers = sorted(set(cfg.target_layers) | {target.config.num_layers})
+    seqs = Sequences(recipe["data"], layers=layers)
+    unknown = set(recipe["domains"]) - set(DOMAINS)
+    if unknown:
+        raise ValueError(f"unknown domains {sorted(unknown)} (known: {', '.join(DOMAINS)})")
+    wanted = {DOMAINS.index(d) for d in recipe["domains"]}
+    chosen = [i for i in range(len(seqs)) if seqs[i]["domain"] in wanted]
+    order = torch.randperm(len(chosen), generator=torch.Generator().manual_seed(recipe["seed"]))
+    chosen = [chosen[i] for i in order]
+    n_val = min(recipe["val_sequences"], len(chosen) // 5)
+    val, train_idx = chosen[:n_val], chosen[n_val:]
+    if not train_idx:
+        raise ValueError(f"no training sequences of domains {recipe['domains']} in {recipe['data']}"
+                         ": run `angelspec data` with those domains")
+
+    state_file = out / "train_state.pt"
+    resume = state_file.exists() and not restart
+    if resume:
+        saved_cfg, weights = load_draft(out, target)
+        if saved_cfg.kind != cfg.kind:
+            raise ValueError(f"{out} holds a {saved_cfg.kind} draft; pass another out= or --restart")
+        cfg = dataclasses.replace(saved_cfg)
+        model = MODELS[cfg.kind](cfg)
+        model.load_state_dict(weights)
+        fz = Frozen(target.model, model.vocab_ids)
+    else:
+        torch.manual_seed(recipe["seed"])
+        model = MODELS[cfg.kind](cfg)
+        vocab = draft_vocab(seqs, train_idx, cfg.draft_vocab, cfg.vocab_size, target.eos_ids)
+        model.vocab_ids.copy_(vocab)
+        fz = Frozen(target.model, model.vocab_ids)
+        if recipe.get("init_from_target"):
+            init_from_target(model, target, fz)
+    objective = Objective(model, fz, recipe)
+    wrapped = torch.nn.parallel.DistributedDataParallel(objective) if world > 1 else objective
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=recipe["lr"],
+                            weight_decay=recipe["weight_decay"], betas=(0.9, 0.95))
+    step = 0
+    if resume:
+        st = torch.load(state_file, weights_only=False)
+        if st["recipe"]["data"] != recipe["data"]:
+            raise ValueError(f"{out} was trained on {st['recipe']['data']}, not {recipe['data']}: "
+                             "pass another out= or --restart")
+        opt.load_state_dict(st["optimizer"])
+        step = st["step"]
+    total = recipe["steps"]
+    if step >= total:
+        if rank == 0:
+            print(f"{out}: already trained for {step} steps (pass --restart to train again)")
+        return {"step": step, "out": str(out)}
+
+    per_step = recipe["batch_size"] * world
+    per_epoch = max(1, len(train_idx) // per_step)
+    log = None
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        log_file = out / "log.jsonl"
+        rows = log_file.read_text().splitlines() if resume and log_file.exists() else []
+        kept = [r for r in rows if json.loads(r)["step"] <= step]  # drop steps after the save
+        log_file.write_text("".join(r + "\n" for r in kept))
+        log = log_file.open("a")
+
+    def save():
+        if rank == 0:
+            cfg.trained_steps = step
+            save_draft(out, cfg, model.state_dict())
+            torch.save({"step": step, "optimizer": opt.state_dict(), "recipe": recipe},
+                       state_file.with_suffix(".tmp"))
+            state_file.with_suffix(".tmp").replace(state_file)
+        if world > 1:
+            dist.barrier()
+
+    tv_from = int(total * (1 - recipe.get("tv_fraction", 0.0))) if cfg.kind != "mtp" else total
+    bar = tqdm(total=total, initial=step, desc=f"train {cfg.kind}", disable=not progress or rank > 0)
+    tokens_seen, t0 = 0, time.perf_counter()
+    while step < total:
+        epoch, k = divmod(step, per_epoch)
+        perm = torch.randperm(len(train_idx), generator=torch.Generator().manual_seed(
+            recipe["seed"] * 1000 + epoch))
+        mine = [train_idx[int(j)] for j in perm[k * per_step: (k + 1) * per_step][rank::world]]
+        tokens, label_ok, feats = collate([seqs[i] for i in mine], recipe["max_seq_len"], layers)
+        extra = {}
+        if cfg.kind != "mtp":
+            g = torch.Generator().manual_seed(recipe["seed"] * 7919 + step * 31 + rank)
+            extra = dict(zip(("anchors", "valid"),
+                             sample_anchors(label_ok, cfg.block_size, recipe["anchors"], g)))
+            extra["loss"] = "tv" if step >= tv_from else "ce"
+        for group in opt.param_groups:
+            group["lr"] = recipe["lr"] * cosine_lr(step, total, recipe["warmup"])
+        loss, metrics = wrapped(tokens, label_ok, feats, **extra)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), recipe["grad_clip"])
+        opt.step()
+        step += 1
+        tokens_seen += int(label_ok.sum())
+        row = {"step": step, "lr": opt.param_groups[0]["lr"],
+               **{k: round(v, 4) for k, v in metrics.items()},
+               "tokens_per_s": round(tokens_seen / (time.perf_counter() - t0), 1)}
+        if step % recipe["eval_every"] == 0 or step == total:
+            row.update({k: round(v, 4) for k, v in evaluate(model, fz, recipe, seqs, val, layers).items()})
+        if log:
+            log.write(json.dumps(row) + "\n")
+            log.flush()
+        bar.set_postfix({k: v for k, v in row.items() if k in ("loss", "acc", "acc1", "tau", "val_tau")})
+        bar.update(1)
+        if step % recipe["save_every"] == 0 or step == total:
+            save()
+    bar.close()
+    if world > 1:  # identical weights on every rank is what DDP promises: record it
+        flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+        (out / f"rank{rank}.sha256").write_text(hashlib.sha256(flat.numpy().tobytes()).hexdigest())
+    return {"step": step, "out": str(out), **row}
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--recipe", required=True, help="mtp, dfly, dflash, or a YAML file")
+    p.add_argument("--preset", choices=["quick", "full"], default=None,
+                   help="budget preset from the recipe (default: the recipe's own steps)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a recipe key, e.g. --set steps=50 --set lr=5e-4 (repeatable)")
+    p.add_argument("--target", help="target checkpoint folder (default: the converted SmolLM2)")
+    p.add_argument("--restart", action="store_true", help="ignore a saved state and start over")
+    p.add_argument("--show", action="store_true", help="print the resolved recipe and exit")
+
+
+def run(args) -> int:
+    from angelspec.cli import _target
+
+    recipe = load_recipe(args.recipe, args.preset, args.overrides)
+    if args.show:
+        print(yaml.safe_dump(recipe, sort_keys=False))
+        return 0
+    result = train(recipe, _target(args.target), restart=args.restart)
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(json.dumps(result))
+    return 0
