@@ -185,12 +185,13 @@ def test_greedy_lossless_with_trained_drafters(target8, tmp_path, kind):
     cfg, model = draft(target8, kind, vocab=60 if kind != "dflash" else 0)
     save_draft(tmp_path / kind, cfg, model.state_dict())
     g = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(1, 96, (n,), generator=g).tolist() for n in (3, 11, 25)]
+    # 150 tokens: the drafts' own KV caches start at 64 positions and must grow past twice that
+    prompts = [torch.randint(1, 96, (n,), generator=g).tolist() for n in (3, 11, 150)]
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
-    ref = Engine(target8, max_batch=1, max_len=128).generate(
+    ref = Engine(target8, max_batch=1, max_len=200).generate(
         [Request(p, params, "none") for p in prompts])
     for batch in (1, 3):
-        eng = Engine(target8, max_batch=batch, max_len=128, drafts=str(tmp_path))
+        eng = Engine(target8, max_batch=batch, max_len=200, drafts=str(tmp_path))
         out = eng.generate([Request(p, params, kind) for p in prompts])
         assert [r.tokens for r in out] == [r.tokens for r in ref]
         assert sum(r.stats.drafted for r in out) > 0
@@ -214,11 +215,11 @@ def test_serving_options(target8, tmp_path):
     save_draft(tmp_path / "dfly", cfg, model.state_dict())
     eng = Engine(target8, max_batch=1, max_len=128, drafts=str(tmp_path))
     assert eng.drafter("dfly:draft_len=2").draft_len == 2
-    assert eng.drafter("dfly:rescore_top_k=0").cfg.rescore_top_k == 0
+    assert eng.drafter("dfly:rescore_top_k=16").cfg.rescore_top_k == 16
     assert len(eng.drafter("dfly:draft_vocab=0").frozen.vocab_ids) == 97
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
     outs = [eng.generate([Request([3, 4, 5], params, d)])[0] for d in
-            ("none", "dfly:draft_len=2", "dfly:rescore_top_k=0", "dfly:draft_vocab=0")]
+            ("none", "dfly:draft_len=2", "dfly:rescore_top_k=16", "dfly:draft_vocab=0")]
     assert all(o.tokens == outs[0].tokens for o in outs)
     assert outs[1].stats.drafted <= 2 * outs[1].stats.steps
     for bad in ("dfly:block=4", "dfly:draft_vocab=10", "dfly:rescore"):

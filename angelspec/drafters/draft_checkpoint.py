@@ -34,7 +34,7 @@ class DraftConfig:
     block_size: int = 8
     hybrid: bool = False  # DFly: per-layer softmax mixture of target layers
     ar_head: bool = False  # DFly: predecessor-conditioned AR head
-    rescore_top_k: int = 16  # AR head chain: re-score the backbone's top-k, not the whole vocab
+    rescore_top_k: int = 0  # AR head chain: re-score only the backbone's top-k (0 = off)
     prior_sharpness: float = 2.0
     draft_vocab: int = 0  # size of the draft vocabulary (0 = the full target vocabulary)
     target: str = ""

@@ -21,8 +21,9 @@ class GrowingKV:
 
     def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         end = start + k.shape[-2]
-        if end > self.k.shape[1]:
-            grow = lambda t: torch.cat([t, torch.zeros_like(t)[:, : max(end, t.shape[1])]], 1)  # noqa: E731
+        if end > self.k.shape[1]:  # at least double, so growing costs O(1) per position
+            size = max(end, 2 * self.k.shape[1])
+            grow = lambda t: torch.cat([t, t.new_zeros(t.shape[0], size - t.shape[1], t.shape[2])], 1)  # noqa: E731
             self.k, self.v = grow(self.k), grow(self.v)
         self.k[:, start:end] = k
         self.v[:, start:end] = v
