@@ -254,13 +254,19 @@ class Sequences:
     def __len__(self) -> int:
         return len(self.index)
 
-    def __getitem__(self, i: int) -> dict:
+    def ids(self, i: int) -> dict:
+        """Item i without its features: tokens, prompt_len, domain (cheap)."""
         k, j = self.index[i]
         s = self.shards[k]
         a, b = int(s["offsets"][j]), int(s["offsets"][j + 1])
         return dict(tokens=s["tokens"][a:b].long(), prompt_len=int(s["prompt_lens"][j]),
-                    domain=int(s["domains"][j]),
-                    features={l: f[a:b].float() for l, f in s["features"].items()})
+                    domain=int(s["domains"][j]), span=(a, b))
+
+    def __getitem__(self, i: int) -> dict:
+        item = self.ids(i)
+        a, b = item.pop("span")
+        feats = self.shards[self.index[i][0]]["features"]
+        return dict(item, features={l: f[a:b].float() for l, f in feats.items()})
 
 
 # -- command line -----------------------------------------------------------------------------

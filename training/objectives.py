@@ -111,7 +111,7 @@ def block_hidden(model, fz: Frozen, tokens, feats, anchors) -> torch.Tensor:
 def greedy_chain(model, fz: Frozen, hidden, anchor_tok) -> torch.Tensor:
     """Serving's AR-head chain over blocks [..., B-1, h]: each link conditioned on the previous
     link's argmax, re-scoring the backbone's top-k when the draft says so. -> vocab indices."""
-    cand = candidates(fz.logits(hidden), model.cfg.rescore_top_k)
+    cand = candidates(fz, hidden, model.cfg.rescore_top_k)
     preds, prev = [], anchor_tok
     for i in range(hidden.shape[-2]):
         rows = None if cand is None else cand[..., i, :]

@@ -98,7 +98,7 @@ def draft_vocab(seqs, indices: list[int], size: int, vocab_size: int, keep: list
         return torch.arange(vocab_size)
     counts = torch.zeros(vocab_size)
     for i in indices:
-        it = seqs[i]
+        it = seqs.ids(i)
         counts += torch.bincount(it["tokens"][it["prompt_len"]:], minlength=vocab_size).float()
     counts[torch.tensor(keep, dtype=torch.long)] = float("inf")
     return counts.topk(size).indices.sort().values
@@ -197,7 +197,7 @@ def train(recipe: dict, target, progress: bool = True, restart: bool = False) ->
     if unknown:
         raise ValueError(f"unknown domains {sorted(unknown)} (known: {', '.join(DOMAINS)})")
     wanted = {DOMAINS.index(d) for d in recipe["domains"]}
-    chosen = [i for i in range(len(seqs)) if seqs[i]["domain"] in wanted]
+    chosen = [i for i in range(len(seqs)) if seqs.ids(i)["domain"] in wanted]
     order = torch.randperm(len(chosen), generator=torch.Generator().manual_seed(recipe["seed"]))
     chosen = [chosen[i] for i in order]
     n_val = min(recipe["val_sequences"], len(chosen) // 5)

@@ -22,12 +22,12 @@ def distance_prior(num_draft_layers: int, k: int, sharpness: float) -> torch.Ten
     return -sharpness * (torch.arange(k)[None, :] - centre[:, None]).abs()
 
 
-def candidates(base_logits: torch.Tensor, k: int) -> torch.Tensor | None:
-    """Draft-vocabulary indices [..., k] the AR head re-scores (None: the whole vocabulary). The
-    head is a correction of the backbone, so its choice lies among the backbone's best few."""
-    if not k or k >= base_logits.shape[-1]:
+def candidates(fz, hidden: torch.Tensor, k: int) -> torch.Tensor | None:
+    """Draft-vocabulary indices [..., k] the AR head re-scores: the backbone's best k for each
+    position (None: the whole draft vocabulary, and no backbone lm_head product at all)."""
+    if not k or k >= len(fz.vocab_ids):
         return None
-    return base_logits.topk(k, dim=-1).indices
+    return fz.logits(hidden).topk(k, dim=-1).indices
 
 
 class DFly(nn.Module):
@@ -104,11 +104,10 @@ class DFlyDrafter(TrainedDrafter):
         x = torch.cat([fz.embed[anchor][None], model.mask_embed.expand(b - 1, -1)])[None]
         hidden = model.block(x, *fz.rope_tables(torch.arange(n, n + b)[None]),
                              [c.upto(n) for c in caches])[0, 1: k + 1]
-        base = fz.logits(hidden)  # the backbone's own guess for every position, one product
         if not self.cfg.ar_head:
-            return self.choose(base, s)
+            return self.choose(fz.logits(hidden), s)
         tokens, confs, qs, prev = [], [], [], torch.tensor([anchor])
-        cand = candidates(base, self.cfg.rescore_top_k)
+        cand = candidates(fz, hidden, self.cfg.rescore_top_k)
         for i in range(len(hidden)):  # the chain: each link conditioned on the token before it
             rows = None if cand is None else cand[i: i + 1]
             logits = fz.logits(model.head(hidden[i: i + 1], fz.embed[prev]), rows)
