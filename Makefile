@@ -11,8 +11,9 @@ DATA_ARGS_full  := --chat 400 --code 400 --math 400 --heldout 20 --max-new-token
 SUFFIX := $(if $(filter full,$(PRESET)),-full,)
 DATA   ?= build/data$(SUFFIX)
 DRAFTS ?= build/drafts$(SUFFIX)
+ENGINE ?= engines/default$(SUFFIX)
 
-.PHONY: setup target demo generate bench data drafts bench-drafts test test-fast clean help
+.PHONY: setup target demo generate bench data drafts bench-drafts engines bench-engine serve stop test test-fast clean help
 
 help:
 	@echo "make demo    set up, fetch the default target, generate with speculative decoding, compare speed"
@@ -23,6 +24,10 @@ help:
 	@echo "make data    training data: prompts, the target's own responses, cached features"
 	@echo "make drafts  data + train mtp, dflash, dfly (PRESET=quick|full; resumes if stopped)"
 	@echo "make bench-drafts  ar, ngram, mtp, dflash, dfly on the held-out prompts"
+	@echo "make engines build $(ENGINE): target + drafts, router, backend, D-cut profile (after make drafts)"
+	@echo "make bench-engine  the engine at batch 1 (auto routing) and 16 in flight (D-cut on/off)"
+	@echo "make serve   start tritonserver with $(ENGINE) on 127.0.0.1 (HTTP 8000, gRPC 8001, metrics 8002)"
+	@echo "make stop    stop it"
 
 setup: $(VENV)/.installed
 
@@ -60,6 +65,27 @@ bench-drafts: target
 	$(VENV)/bin/angelspec bench --target $(TARGET) --prompts $(DATA)/heldout.jsonl --drafts $(DRAFTS) \
 	  --drafters ar,ngram,mtp,dflash,dfly --max-new-tokens 128 --out build/bench-drafts$(SUFFIX).json
 
+engines: target
+	$(VENV)/bin/angelspec build --target $(TARGET) --drafts $(DRAFTS) --data $(DATA) --out $(ENGINE) \
+	  --export trtllm
+
+bench-engine:
+	$(VENV)/bin/angelspec bench --engine $(ENGINE) --prompts $(DATA)/heldout.jsonl \
+	  --drafters ar,ngram,mtp,dfly,auto --max-new-tokens 128 --dcut on --out build/bench-engine-c1$(SUFFIX).json
+	$(VENV)/bin/angelspec bench --engine $(ENGINE) --prompts $(DATA)/heldout.jsonl \
+	  --drafters ar,ngram,dfly,auto --max-new-tokens 128 --concurrency 16 --dcut both \
+	  --out build/bench-engine-c16$(SUFFIX).json
+
+HTTP_PORT ?= 8000
+GRPC_PORT ?= 8001
+METRICS_PORT ?= 8002
+serve: setup
+	$(VENV)/bin/angelspec serve --engine $(ENGINE) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \
+	  --metrics-port $(METRICS_PORT)
+
+stop:
+	$(VENV)/bin/angelspec stop
+
 test: target
 	$(PY) -m pytest -q
 
@@ -67,4 +93,4 @@ test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
 
 clean:
-	rm -rf build
+	rm -rf build engines

@@ -7,6 +7,7 @@ logit margin is below `eps` is a near-tie, counted in `near_ties` instead of fai
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import pathlib
@@ -20,7 +21,6 @@ import torch
 from tqdm import tqdm
 
 from angelspec.checkpoint import Target
-from angelspec.drafters import canonical
 from angelspec.model import Segment
 from angelspec.runtime import Engine, Request, SamplingParams
 
@@ -79,9 +79,16 @@ class Run:
     forwards: dict[str, int] = field(default_factory=dict)  # per domain, target weight reads
     steps: list[int] = field(default_factory=list)  # verification forwards per prompt
     committed: list[int] = field(default_factory=list)  # tokens from those forwards
+    dcut: bool = False
+    used: list = field(default_factory=list)  # the drafter each prompt used (auto routes)
 
     def __post_init__(self):
         self.outputs, self.steps, self.committed = [None] * self.n, [0] * self.n, [0] * self.n
+        self.used = [None] * self.n
+
+    @property
+    def label(self) -> str:
+        return self.drafter + ("+dcut" if self.dcut else "")
 
     def add(self, domain: str, seconds: float, prefill: float, forwards: int) -> None:
         self.seconds[domain] = self.seconds.get(domain, 0.0) + seconds
@@ -90,22 +97,28 @@ class Run:
 
 
 def chunks(prompts: list[dict], batch_size: int) -> list[tuple[str, list[int]]]:
-    """Batches of prompt indices, never mixing domains (so time per domain is measurable)."""
-    out = []
-    for domain in dict.fromkeys(p["domain"] for p in prompts):
-        idx = [i for i, p in enumerate(prompts) if p["domain"] == domain]
-        out += [(domain, idx[c: c + batch_size]) for c in range(0, len(idx), batch_size)]
-    return out
+    """Batches of prompt indices. At batch 1 they never mix domains (time per domain is
+    measurable); with many requests in flight a chunk holds 2x that many prompts of all domains
+    interleaved, so finished requests are replaced while others run (continuous batching)."""
+    if batch_size == 1:
+        return [(p["domain"], [i]) for i, p in enumerate(prompts)]
+    by_domain = [[i for i, p in enumerate(prompts) if p["domain"] == d]
+                 for d in dict.fromkeys(p["domain"] for p in prompts)]
+    mixed = [i for group in itertools.zip_longest(*by_domain) for i in group if i is not None]
+    size = 2 * batch_size
+    return [("all", mixed[c: c + size]) for c in range(0, len(mixed), size)]
 
 
 def run_engine_chunk(engine: Engine, run: Run, ids: list[list[int]], chunk: list[int],
                      domain: str, max_new: int) -> None:
     params = SamplingParams(max_new_tokens=max_new)
+    engine.dcut = run.dcut
     t0, p0, s0 = time.perf_counter(), engine.prefill_time, engine.steps
     results = engine.generate([Request(ids[i], params, run.drafter) for i in chunk])
     run.add(domain, time.perf_counter() - t0, engine.prefill_time - p0, engine.steps - s0)
     for i, r in zip(chunk, results):
         run.outputs[i], run.steps[i], run.committed[i] = r.tokens, r.stats.steps, r.stats.committed
+        run.used[i] = r.drafter
 
 
 class HFRunner:
@@ -174,36 +187,51 @@ def verify_cost(target: Target, context: int = 256, sizes=(1, 2, 4, 8, 16), reps
     return {"context": context, "ms": ms, "ratio_vs_1": {n: ms[n] / ms[1] for n in sizes}}
 
 
-def bench(target: Target, prompts: list[dict], drafters: list[str], max_new: int = 128,
+def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_new: int = 128,
           batch_size: int = 1, draft_len: int | None = None, eps: float = NEAR_TIE_EPS,
-          with_verify_cost: bool = False, drafts: str | None = None) -> dict:
+          with_verify_cost: bool = False, drafts: str | None = None, engine_dir: str | None = None,
+          dcut: str = "off") -> dict:
+    """batch_size: requests in flight (the engine's concurrency); dcut: off, on or both (every
+    drafter runs with and without D-cut, side by side); engine_dir: serve a built engine (its
+    target, drafts, router, backend and cost profile) instead of `target` + `drafts`."""
+    from angelspec.runtime.cost import profile
+    from angelspec.runtime.engine_dir import load_engine
+
     names = [d.strip() for d in drafters if d.strip()]
-    for d in names:
-        if d != "hf":
-            canonical(d)  # unknown drafters fail before any work
     names = ["ar"] + [d for d in names if d != "ar"]  # ar is the speed and lossless reference
+    modes = {"off": (False,), "on": (True,), "both": (False, True)}[dcut]
+    if engine_dir:
+        from angelspec.checkpoint import load_target
+        target = load_target(pathlib.Path(engine_dir) / "target")
     ids = [target.encode_chat(p["prompt"]) for p in prompts]
-    engine = Engine(target, max_batch=batch_size, draft_len=draft_len,
-                    max_len=max(len(x) for x in ids) + max_new + 1, drafts=drafts)
+    max_len = max(len(x) for x in ids) + max_new + 1
+    if engine_dir:
+        engine = load_engine(engine_dir, max_batch=batch_size, max_len=max_len, dcut=False,
+                             target=target)
+    else:
+        engine = Engine(target, max_batch=batch_size, draft_len=draft_len, max_len=max_len,
+                        drafts=drafts, cost=profile(target.model) if True in modes else None)
     for d in names:
         if d != "hf":
-            engine.drafter(d)  # trained drafts are loaded (and checked) before any work
+            engine.drafter_key(d)  # unknown drafters and unfit drafts fail before any work
     run_engine_chunk(engine, Run("ar", len(ids)), ids, [0], "warm-up", 8)
     # the bandwidth reference is sampled before every batch, under the same conditions as the
     # decoding it is compared with (this machine's speed drifts), and its median is reported
     stream_buf, samples = torch.ones(2**28), []
     hf = HFRunner(target) if "hf" in names else None
-    runs = {d: Run(d, len(prompts)) for d in names}
+    runs = [Run(d, len(prompts), dcut=m) for d in names
+            for m in ((False,) if d in ("ar", "hf") else modes)]
     # drafters take turns on each batch: a slow phase of a noisy machine hits all of them alike
-    for domain, chunk in tqdm(chunks(prompts, batch_size), desc=f"bench {','.join(names)}",
-                              unit="batch", file=sys.stderr):
+    for domain, chunk in tqdm(chunks(prompts, batch_size),
+                              desc=f"bench {','.join(r.label for r in runs)}", unit="batch",
+                              file=sys.stderr):
         samples.append(stream_bandwidth(buf=stream_buf))
-        for d in names:
-            if d == "hf":
-                hf(runs[d], ids, chunk, domain, max_new)
+        for run in runs:
+            if run.drafter == "hf":
+                hf(run, ids, chunk, domain, max_new)
             else:
-                run_engine_chunk(engine, runs[d], ids, chunk, domain, max_new)
-    ref = runs["ar"].outputs
+                run_engine_chunk(engine, run, ids, chunk, domain, max_new)
+    ref = runs[0].outputs
     if batch_size > 1:  # the lossless reference is always batch-1 autoregressive decoding
         ref_run, single = Run("ar", len(ids)), Engine(target, max_batch=1, max_len=engine.max_len)
         for domain, chunk in tqdm(chunks(prompts, 1), desc="reference (ar, batch 1)",
@@ -216,41 +244,51 @@ def bench(target: Target, prompts: list[dict], drafters: list[str], max_new: int
     rows = []
     domains = list(dict.fromkeys(p["domain"] for p in prompts))
     ar_tps = {}
-    for d in names:
-        run = runs[d]
+    for run in runs:
         verdicts = [compare(target, ids[i], ref[i], run.outputs[i], eps)
                     for i in range(len(prompts))]
         for dom in domains + ["all"]:
             idx = [i for i, p in enumerate(prompts) if dom in ("all", p["domain"])]
+            timed = dom == "all" or dom in run.seconds  # mixed batches: time only for "all"
             pick = (lambda m: sum(m.values())) if dom == "all" else (lambda m: m[dom])  # noqa: E731
-            secs, pre, forwards = pick(run.seconds), pick(run.prefill), pick(run.forwards)
             new = sum(len(run.outputs[i]) for i in idx)
             steps = sum(run.steps[i] for i in idx)
-            tps = new / secs
-            if d == "ar":
-                ar_tps[dom] = tps
-            rows.append({
-                "drafter": d, "domain": dom, "n_prompts": len(idx), "new_tokens": new,
-                "seconds": round(secs, 3), "tokens_per_s": round(tps, 2),
-                "mean_accept_len": None if d == "hf" else
-                round(sum(run.committed[i] for i in idx) / max(steps, 1), 3),
-                "speedup_vs_ar": round(tps / ar_tps[dom], 3),
-                "lossless": all(verdicts[i] != "diverged" for i in idx),
-                "near_ties": sum(verdicts[i] == "near_tie" for i in idx),
+            row = {"drafter": run.drafter, "dcut": run.dcut, "concurrency": batch_size,
+                   "domain": dom, "n_prompts": len(idx), "new_tokens": new,
+                   "seconds": None, "tokens_per_s": None,
+                   "mean_accept_len": None if run.drafter == "hf" else
+                   round(sum(run.committed[i] for i in idx) / max(steps, 1), 3),
+                   "speedup_vs_ar": None,
+                   "lossless": all(verdicts[i] != "diverged" for i in idx),
+                   "near_ties": sum(verdicts[i] == "near_tie" for i in idx),
+                   "weight_gb_per_s": None}
+            if timed:
+                secs, pre, forwards = pick(run.seconds), pick(run.prefill), pick(run.forwards)
+                tps = new / secs
+                if run.drafter == "ar":
+                    ar_tps[dom] = tps
                 # weights read per second while decoding: one read per verification forward
                 # (hf: one per token, its prefill time included as it cannot be separated)
-                "weight_gb_per_s": round(forwards * weight_bytes / (secs - pre) / 1e9, 2),
-            })
+                row.update(seconds=round(secs, 3), tokens_per_s=round(tps, 2),
+                           speedup_vs_ar=round(tps / ar_tps[dom], 3),
+                           weight_gb_per_s=round(forwards * weight_bytes / (secs - pre) / 1e9, 2))
+            if run.drafter == "auto":
+                used = [run.used[i] for i in idx]
+                row["drafter_used"] = {d: used.count(d) for d in sorted(set(used))}
+            rows.append(row)
     result = {
         "config": {
-            "target": str(target.path), "prompts": len(prompts), "domains": domains,
-            "max_new_tokens": max_new, "batch_size": batch_size, "hf_batch_size": 1,
+            "target": str(target.path), "engine": engine_dir, "prompts": len(prompts),
+            "domains": domains, "max_new_tokens": max_new, "concurrency": batch_size,
+            "hf_batch_size": 1, "dcut": dcut,
             "draft_len": engine.drafter("ngram").draft_len if "ngram" in names else draft_len,
             "greedy": True, "dtype": "float32", "threads": torch.get_num_threads(),
             "near_tie_eps": eps, "cpu": cpu_model(), "cores": os.cpu_count(),
             "kernel_isa": torch.backends.cpu.get_cpu_capability(),
             "torch": torch.__version__, "weight_mb": round(weight_bytes / 1e6, 1),
             "stream_bandwidth_gb_per_s": round(bandwidth, 2),
+            "dcut_kept_fraction": round(engine.dcut_kept / engine.dcut_drafted, 3)
+            if engine.dcut_drafted else None,
         },
         "results": rows,
     }
@@ -262,16 +300,20 @@ def bench(target: Target, prompts: list[dict], drafters: list[str], max_new: int
 def format_table(result: dict) -> str:
     cfg = result["config"]
     lines = [f"target {cfg['target']}  |  {cfg['prompts']} prompts, {cfg['max_new_tokens']} new "
-             f"tokens, batch {cfg['batch_size']}, greedy, {cfg['threads']} threads  |  weights "
-             f"{cfg['weight_mb']} MB, machine streams {cfg['stream_bandwidth_gb_per_s']} GB/s",
-             f"{'drafter':<8} {'domain':<6} {'tok/s':>8} {'accept':>7} {'speedup':>8} "
-             f"{'GB/s':>6} {'%bw':>5} {'lossless':>9} {'near_ties':>9}"]
+             f"tokens, {cfg['concurrency']} in flight, greedy, {cfg['threads']} threads  |  "
+             f"weights {cfg['weight_mb']} MB, machine streams {cfg['stream_bandwidth_gb_per_s']} GB/s",
+             f"{'drafter':<12} {'domain':<6} {'tok/s':>8} {'accept':>7} {'speedup':>8} "
+             f"{'GB/s':>6} {'%bw':>5} {'lossless':>9} {'near_ties':>9}  used"]
+    num = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     for r in result["results"]:
-        acc = "-" if r["mean_accept_len"] is None else f"{r['mean_accept_len']:.2f}"
-        pct = 100 * r["weight_gb_per_s"] / cfg["stream_bandwidth_gb_per_s"]
-        lines.append(f"{r['drafter']:<8} {r['domain']:<6} {r['tokens_per_s']:>8.2f} {acc:>7} "
-                     f"{r['speedup_vs_ar']:>7.2f}x {r['weight_gb_per_s']:>6.1f} {pct:>4.0f}% "
-                     f"{str(r['lossless']).lower():>9} {r['near_ties']:>9}")
+        pct = None if r["weight_gb_per_s"] is None else \
+            100 * r["weight_gb_per_s"] / cfg["stream_bandwidth_gb_per_s"]
+        name = r["drafter"] + ("+dcut" if r.get("dcut") else "")
+        used = " ".join(f"{d}:{n}" for d, n in r.get("drafter_used", {}).items())
+        lines.append(f"{name:<12} {r['domain']:<6} {num(r['tokens_per_s'], '8.2f'):>8} "
+                     f"{num(r['mean_accept_len'], '.2f'):>7} {num(r['speedup_vs_ar'], '7.2f'):>7}x "
+                     f"{num(r['weight_gb_per_s'], '6.1f'):>6} {num(pct, '4.0f'):>4}% "
+                     f"{str(r['lossless']).lower():>9} {r['near_ties']:>9}  {used}")
     vc = result.get("verify_cost")
     if vc:
         lines.append(f"verification cost after {vc['context']} cached tokens (one forward): " +

@@ -1,4 +1,4 @@
-"""The `angelspec` command line: target, data, train, generate, bench."""
+"""The `angelspec` command line: target, data, train, build, generate, bench, serve, stop, client."""
 from __future__ import annotations
 
 import argparse
@@ -74,15 +74,40 @@ def cmd_bench(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     prompts = load_prompts(args.prompts, args.limit)
-    target = _target(args.target)
+    target = None if args.engine else _target(args.target)
     result = bench(target, prompts, args.drafters.split(","), max_new=args.max_new_tokens,
-                   batch_size=args.batch_size, draft_len=args.draft_len, eps=args.eps,
-                   with_verify_cost=args.verify_cost, drafts=args.drafts)
+                   batch_size=args.concurrency, draft_len=args.draft_len, eps=args.eps,
+                   with_verify_cost=args.verify_cost, drafts=args.drafts, engine_dir=args.engine,
+                   dcut=args.dcut)
     print(format_table(result))
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.out}")
     return 0
+
+
+def cmd_serve(args) -> int:
+    from angelspec.builders import triton
+
+    repo = triton.write_repo(args.engine, args.repo, args.max_batch, args.max_queue, args.timeout)
+    proc = triton.start(repo, args.server, args.http_port, args.grpc_port, args.metrics_port)
+    print(f"tritonserver {proc.pid} ready: HTTP 127.0.0.1:{args.http_port}, gRPC "
+          f"127.0.0.1:{args.grpc_port}, metrics http://127.0.0.1:{args.metrics_port}/metrics "
+          f"(model repository {repo}; log {args.server}/server.log; `angelspec stop` stops it)")
+    return 0
+
+
+def cmd_stop(args) -> int:
+    from angelspec.builders import triton
+
+    print("stopped" if triton.stop(args.server) else "no server was running")
+    return 0
+
+
+def cmd_client(args) -> int:
+    from angelspec import client
+
+    return client.run(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -129,10 +154,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "prompts, 10 each of chat, code and math)")
     common(b)
     b.add_argument("--drafters", default="ar,ngram,hf",
-                   help="comma-separated: ar, ngram, mtp, dflash, dfly, hf (transformers "
-                        "generate(), the outside reference)")
+                   help="comma-separated: ar, ngram, mtp, dflash, dfly, auto (routed; needs "
+                        "--engine), hf (transformers generate(), the outside reference)")
     b.add_argument("--limit", type=int, default=None, help="first N prompts of each domain")
-    b.add_argument("--batch-size", type=int, default=1, help="requests decoded together")
+    b.add_argument("--engine", default=None,
+                   help="serve a built engine folder (angelspec build): its target, drafts, "
+                        "router (for auto) and D-cut cost profile")
+    b.add_argument("--concurrency", "--batch-size", type=int, default=1,
+                   help="requests in flight (continuous batching: a finished request's slot is "
+                        "refilled at once)")
+    b.add_argument("--dcut", choices=["off", "on", "both"], default="off",
+                   help="D-cut (load-following verification budget): both = every drafter with "
+                        "and without it, side by side")
     b.add_argument("--eps", type=float, default=1e-4,
                    help="top-2 logit margin below which a divergence counts as a near-tie")
     b.add_argument("--verify-cost", action="store_true",
@@ -162,6 +195,49 @@ def build_parser() -> argparse.ArgumentParser:
                         "--standalone --nproc-per-node N -m angelspec.cli train ...")
     train.add_arguments(tr)
     tr.set_defaults(fn=train.run)
+
+    from angelspec.builders import build
+
+    e = sub.add_parser("build", help="build an engine folder: target + drafts, router, backend, "
+                       "D-cut cost profile, checksums",
+                       description="Check that the drafts belong to the target, copy the parts "
+                       "into an engine folder, train the auto router's domain classifier, choose "
+                       "the fastest lossless backend measured here, profile D-cut's verification "
+                       "cost, and write engine.json with the SHA-256 of every file.",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    build.add_arguments(e)
+    e.set_defaults(fn=build.run)
+
+    sv = sub.add_parser("serve", help="start tritonserver with the engine's model repository "
+                        "(returns once /v2/health/ready answers; `angelspec stop` stops it)",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    sv.add_argument("--engine", default="engines/default", help="engine folder (angelspec build)")
+    sv.add_argument("--repo", default="build/model_repo", help="where to write the model repository")
+    sv.add_argument("--server", default="build/triton", help="where tritonserver is installed")
+    sv.add_argument("--http-port", type=int, default=8000)
+    sv.add_argument("--grpc-port", type=int, default=8001)
+    sv.add_argument("--metrics-port", type=int, default=8002)
+    sv.add_argument("--max-batch", type=int, default=8, help="requests decoded together")
+    sv.add_argument("--max-queue", type=int, default=32,
+                    help="requests waiting beyond max-batch before new ones get 'busy, retry'")
+    sv.add_argument("--timeout", type=float, default=300.0, help="seconds a request may run")
+    sv.set_defaults(fn=cmd_serve)
+
+    st = sub.add_parser("stop", help="stop the tritonserver `angelspec serve` started")
+    st.add_argument("--server", default="build/triton")
+    st.set_defaults(fn=cmd_stop)
+
+    cl = sub.add_parser("client", help="send one prompt to the served ensemble (tritonclient)",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    cl.add_argument("prompt")
+    cl.add_argument("--grpc", action="store_true", help="gRPC instead of HTTP")
+    cl.add_argument("--stream", action="store_true", help="stream tokens (gRPC)")
+    cl.add_argument("--url", default=None, help="host:port (default: 127.0.0.1:8000 HTTP, :8001 gRPC)")
+    cl.add_argument("--max-tokens", type=int, default=128)
+    cl.add_argument("--drafter", default=None, help="auto, mtp, dfly, dflash, ngram, none (default: the engine's)")
+    cl.add_argument("--temperature", type=float, default=0.0)
+    cl.add_argument("--seed", type=int, default=None)
+    cl.set_defaults(fn=cmd_client)
     return p
 
 

@@ -1,10 +1,18 @@
 """AngelSpec's custom ops, registered with torch.library in the `angelspec` namespace.
 
-The C++ sources in csrc/ are compiled on first import (torch's cpp_extension + ninja, ~1 min
-once) into a per-user cache and reused afterwards.
+Model kernels (C++, csrc/; compiled on first import with torch's cpp_extension + ninja, ~1 min
+once, into a per-user cache): skinny_linear, cached_attention, rms_norm, rope_, silu_mul.
+System ops (PyTorch, one implementation of each rule): verify_greedy, verify_rejection,
+dcut_select, dfly_draft_head. Every op has a fake implementation (torch.compile / torch.export).
 """
+from angelspec.plugins import fakes  # noqa: F401  (registers the fake kernels)
 from angelspec.plugins.attention import cached_attention
+from angelspec.plugins.dcut import RATIOS, dcut_select, interpolate_cost
+from angelspec.plugins.dfly_head import dfly_draft_head
 from angelspec.plugins.layer_ops import rms_norm, rope_, silu_mul
 from angelspec.plugins.linear import SKINNY_MAX_ROWS, linear
+from angelspec.plugins.verify import verify_greedy, verify_rejection
 
-__all__ = ["cached_attention", "linear", "rms_norm", "rope_", "silu_mul", "SKINNY_MAX_ROWS"]
+__all__ = ["cached_attention", "linear", "rms_norm", "rope_", "silu_mul", "SKINNY_MAX_ROWS",
+           "verify_greedy", "verify_rejection", "dcut_select", "dfly_draft_head", "RATIOS",
+           "interpolate_cost"]

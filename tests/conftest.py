@@ -70,3 +70,11 @@ def default_target() -> Target:
     if not (path / "model.safetensors").exists():
         pytest.skip("default target not converted: run `make target`")
     return load_target(path, max_len=1024)
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    """Expose each phase's report on the test item (fixtures that show logs on failure read it)."""
+    outcome = yield
+    rep = outcome.get_result()
+    setattr(item, "rep_" + rep.when, rep)

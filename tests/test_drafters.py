@@ -58,8 +58,9 @@ def state_at(tokens, n, drafter, feats, temperature=0.0):
     """A request whose target cache holds tokens[:n] and whose newest token is tokens[n]."""
     s = RequestState(0, list(tokens[: n + 1]), 1, SamplingParams(temperature=temperature), "x",
                      torch.Generator().manual_seed(0) if temperature else None)
-    drafter.on_commit(s, {l: feats[l][:n] for l in drafter.capture})
-    return s
+    view = s.view("x")
+    drafter.on_commit(view, {l: feats[l][:n] for l in drafter.capture})
+    return view
 
 
 def served(target, tmp_path, cfg, model, k=None):

@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from angelspec.drafters.modules import DecoderLayer, Linear, RMSNorm, SwiGLU, grouped
 from angelspec.drafters.trained import GrowingKV, TrainedDrafter
+from angelspec.plugins import dfly_draft_head
 
 
 def distance_prior(num_draft_layers: int, k: int, sharpness: float) -> torch.Tensor:
@@ -106,17 +107,14 @@ class DFlyDrafter(TrainedDrafter):
                              [c.upto(n) for c in caches])[0, 1: k + 1]
         if not self.cfg.ar_head:
             return self.choose(fz.logits(hidden), s)
-        tokens, confs, qs, prev = [], [], [], torch.tensor([anchor])
-        cand = candidates(fz, hidden, self.cfg.rescore_top_k)
-        for i in range(len(hidden)):  # the chain: each link conditioned on the token before it
-            rows = None if cand is None else cand[i: i + 1]
-            logits = fz.logits(model.head(hidden[i: i + 1], fz.embed[prev]), rows)
-            t, c, q = self.choose(logits, s, None if rows is None else fz.vocab_ids[rows])
-            tokens.append(t)
-            confs.append(c)
-            qs.append(q)
-            prev = t
-        return torch.cat(tokens), torch.cat(confs), None if qs[0] is None else torch.cat(qs)
+        # the chain, each link conditioned on the token before it, runs as one op; it proposes
+        # the argmax at every link (q one-hot), which rejection sampling verifies exactly too
+        ar = model.ar
+        tokens, conf = dfly_draft_head(
+            hidden.contiguous(), torch.tensor(anchor), fz.embed, model.head_norm.weight,
+            model.prev_norm.weight, ar.gate.weight, ar.up.weight, ar.down.weight, fz.norm_w,
+            fz.lm_head, fz.vocab_ids, fz.eps, candidates(fz, hidden, self.cfg.rescore_top_k))
+        return tokens, conf, None
 
 
 class DFlashDrafter(DFlyDrafter):

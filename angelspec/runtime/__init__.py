@@ -1,5 +1,8 @@
-"""Runtime API: Engine(target).generate([Request(prompt_ids, SamplingParams(...), drafter)])."""
+"""Runtime API: Engine(target).generate([Request(prompt_ids, SamplingParams(...), drafter)]), or
+load_engine("engines/default") for a built engine (drafts, router, D-cut profile, backend)."""
 from angelspec.runtime.engine import Engine, Event, Request, RequestState, Result, Stats
+from angelspec.runtime.engine_dir import EngineError, load_engine
 from angelspec.runtime.sampling import SamplingParams
 
-__all__ = ["Engine", "Event", "Request", "RequestState", "Result", "SamplingParams", "Stats"]
+__all__ = ["Engine", "EngineError", "Event", "Request", "RequestState", "Result", "SamplingParams",
+           "Stats", "load_engine"]

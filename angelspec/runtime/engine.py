@@ -1,14 +1,17 @@
 """The runtime: batched prefill + speculative steps over a static KV cache.
 
-One step for all active requests: each request's drafter proposes up to D tokens -> the target
-verifies every request's [anchor + drafts] in ONE packed forward -> the longest accepted prefix +
-one bonus token are committed -> the cache keeps every committed token except the newest (the
-next step's anchor); positions written for rejected drafts are simply overwritten later.
-Autoregressive decoding is the same step with empty drafts.
+One step for all active requests: each request's drafter proposes up to D tokens -> D-cut
+(optional) trims the batch's drafts against the measured verification cost -> the target
+verifies every request's [anchor + kept drafts] in ONE packed forward -> the longest accepted
+prefix + one bonus token are committed -> the cache keeps every committed token except the newest
+(the next step's anchor); positions written for rejected drafts are simply overwritten later.
+Autoregressive decoding is the same step with empty drafts. A request whose drafter is `auto` is
+routed by the engine's Router (router.py), which may switch its drafter while it runs.
 """
 from __future__ import annotations
 
 import time
+import zlib
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -18,9 +21,11 @@ import torch
 from angelspec.checkpoint import Target
 from angelspec.drafters import ALIASES, Drafter, Proposal, canonical, make_drafter
 from angelspec.model import Segment
-from angelspec.plugins import SKINNY_MAX_ROWS
+from angelspec.plugins import RATIOS, SKINNY_MAX_ROWS, dcut_select
+from angelspec.runtime.cost import CostTable, profile
+from angelspec.runtime.router import RouteState, Router, route_cost
 from angelspec.runtime.sampling import SamplingParams, probs_from_logits, sample
-from angelspec.runtime.verify import verify_greedy, verify_rejection
+from angelspec.runtime.verify import verify_batch
 
 
 @dataclass
@@ -49,12 +54,13 @@ class RequestState:
     tokens: list[int]
     n_prompt: int
     params: SamplingParams
-    drafter: str
+    drafter: str  # the drafter drafting now (for `auto`, the router's current choice)
     generator: torch.Generator | None
     stats: Stats = field(default_factory=Stats)
     slot: int = -1
     finish_reason: str | None = None
-    drafter_state: dict = field(default_factory=dict)
+    route: RouteState | None = None  # set when the request asked for `auto`
+    views: dict = field(default_factory=dict)  # drafter name -> DrafterView
 
     @property
     def cache_len(self) -> int:
@@ -64,14 +70,37 @@ class RequestState:
     def output(self) -> list[int]:
         return self.tokens[self.n_prompt:]
 
+    def view(self, name: str) -> "DrafterView":
+        if name not in self.views:
+            gen = self.generator
+            if gen is not None and name != self.drafter:  # a shadow draft leaves the request's
+                gen = torch.Generator().manual_seed(int(gen.initial_seed()) ^ zlib.crc32(name.encode()))
+            self.views[name] = DrafterView(self, gen)
+        return self.views[name]
+
+
+class DrafterView:
+    """What a drafter sees of a request: its tokens, params and stats, a generator, and a state
+    of its own (a routed request keeps one per candidate drafter)."""
+
+    def __init__(self, req: RequestState, generator: torch.Generator | None):
+        self.req, self.generator, self.drafter_state = req, generator, {}
+
+    def __getattr__(self, name):  # tokens, params, stats, n_prompt, ... of the request
+        return getattr(self.req, name)
+
 
 @dataclass
 class Event:
-    """Tokens committed for request `index`; its last event has `finish_reason` and `stats`."""
+    """Tokens committed for request `index` and its running `stats`; its last event has
+    `finish_reason`, the drafter used (for `auto`: the one that drafted most steps) and the
+    router's switches."""
     index: int
     tokens: list[int]
     finish_reason: str | None = None
     stats: Stats | None = None
+    drafter: str | None = None
+    switches: list | None = None
 
 
 @dataclass
@@ -79,15 +108,20 @@ class Result:
     tokens: list[int]
     finish_reason: str
     stats: Stats
-    drafter: str
+    drafter: str  # for `auto`: the drafter that drafted most of its steps
+    switches: list = field(default_factory=list)  # `auto`: (step, from, to)
 
 
 class Engine:
-    """Serves many requests on one target; every request picks its drafter by name."""
+    """Serves many requests on one target; every request picks its drafter by name (or `auto`).
+
+    dcut: trim each step's drafts with D-cut against `cost` (C(n), profiled now if not given).
+    """
 
     def __init__(self, target: Target, max_batch: int = 8, max_len: int = 2048,
                  draft_len: int | None = None, drafters: dict[str, Drafter] | None = None,
-                 drafts: str | None = None):
+                 drafts: str | None = None, dcut: bool = False, cost: CostTable | None = None,
+                 router: Router | None = None):
         self.target, self.model = target, target.model
         self.max_batch = max_batch
         self.max_len = min(max_len, self.model.max_len)
@@ -95,12 +129,28 @@ class Engine:
         self.draft_len = draft_len
         self.drafters: dict[str, Drafter] = dict(drafters or {})
         self.drafts = drafts  # folder of trained drafts (<drafts>/mtp, /dfly, /dflash)
+        self.dcut = dcut
+        if dcut and cost is None:
+            cost = profile(self.model, max_tokens=SKINNY_MAX_ROWS)
+        self.cost = cost
+        self._cost_tensors = cost.tensors() if cost else None
+        self.router = router
         self.prefill_time = 0.0  # seconds spent in prompt forwards (benchmarks separate decoding)
         self.steps = 0  # verification forwards run (one serves every active request)
+        self.t_fixed = 0.0  # EMA of a step's time outside drafting and the forward (D-cut's T_fixed)
+        self.dcut_drafted = self.dcut_kept = 0  # draft tokens proposed / kept by D-cut
+        self._available: dict[str, bool] = {}
+        self.pending: deque[RequestState] = deque()  # admitted, waiting for a slot
+        self.active: list[RequestState] = []  # holding a slot, decoding
+        self.free = list(range(max_batch - 1, -1, -1))  # free cache slots (slot 0 first)
 
     # -- requests ---------------------------------------------------------------------------
     def drafter_key(self, name: str) -> str:
         """Registry name of a request's drafter (built on first use); unknown: ValueError."""
+        if name == "auto":
+            if self.router is None:
+                raise ValueError("drafter 'auto' needs an engine with a router (angelspec build)")
+            return "auto"
         key = ALIASES.get(name, name) if isinstance(name, str) else name
         if key not in self.drafters:
             key = canonical(key)
@@ -109,6 +159,17 @@ class Engine:
 
     def drafter(self, name: str) -> Drafter:
         return self.drafters[self.drafter_key(name)]
+
+    def available(self, name: str) -> bool:
+        """Whether drafter `name` can be built (its draft exists and fits the target); asked
+        once per name."""
+        if name not in self._available:
+            try:
+                self.drafter_key(name)
+                self._available[name] = True
+            except (ValueError, OSError):
+                self._available[name] = False
+        return self._available[name]
 
     def _admit(self, index: int, req: Request) -> RequestState:
         """Validate a request up front, so a bad one fails before any work is done."""
@@ -121,13 +182,23 @@ class Engine:
             raise ValueError(f"prompt of {len(req.prompt_ids)} tokens does not fit the context of "
                              f"{self.max_len} tokens (room for at least one new token is needed)")
         params = req.params.validate()
-        name = self.drafter_key(req.drafter)
+        name, route = self.drafter_key(req.drafter), None
+        if name == "auto":
+            name, route = self.router.first(req.prompt_ids, self.available)
         gen = None
         if not params.greedy:
             gen = torch.Generator()
             gen.manual_seed(params.seed if params.seed is not None else
                             int(torch.randint(0, 2**62, ()).item()))
-        return RequestState(index, list(req.prompt_ids), len(req.prompt_ids), params, name, gen)
+        return RequestState(index, list(req.prompt_ids), len(req.prompt_ids), params, name, gen,
+                            route=route)
+
+    def attached(self, s: RequestState) -> list[str]:
+        """Drafters that follow a request's commits: its own, and for `auto` every candidate."""
+        if s.route is None:
+            return [s.drafter]
+        return list(dict.fromkeys([s.drafter] + [c for c in self.router.candidates
+                                                 if self.available(c)]))
 
     def generate(self, requests: list[Request]) -> list[Result]:
         tokens: list[list[int]] = [[] for _ in requests]
@@ -136,45 +207,90 @@ class Engine:
             tokens[ev.index] += ev.tokens
             if ev.finish_reason:
                 results[ev.index] = Result(tokens[ev.index], ev.finish_reason, ev.stats,
-                                           self.drafter_key(requests[ev.index].drafter))
+                                           ev.drafter, ev.switches)
         return results
 
     def stream(self, requests: list[Request]) -> Iterator[Event]:
         """Run requests to completion with continuous batching, yielding tokens as committed.
 
         Every request is validated before any work starts (ValueError names the problem).
+        Requests a caller abandons (stops iterating) are cancelled.
         """
         states = [self._admit(i, r) for i, r in enumerate(requests)]
-        pending, active = deque(states), []
-        free = list(range(self.max_batch - 1, -1, -1))
-        while pending or active:
-            while pending and free:
-                group = self._prefill_group(pending, free)
-                for s, new in zip(group, self._prefill(group)):
-                    yield self._event(s, new)
-                    if s.finish_reason:
-                        self._release(s, free)
-                    else:
-                        active.append(s)
-            if not active:
-                continue
-            for s, new in self._step(active):
-                yield self._event(s, new)
-            for s in [s for s in active if s.finish_reason]:
-                active.remove(s)
-                self._release(s, free)
+        self.pending.extend(states)
+        try:
+            while self.busy:
+                yield from self.step()
+        finally:
+            for s in states:
+                self.cancel(s.index)
+
+    # -- serving: requests join while others run ------------------------------------------------
+    def submit(self, req: Request, index: int) -> None:
+        """Queue a request under the caller's `index` (validated now: ValueError names the
+        problem); it is admitted into a free slot at the next step."""
+        self.pending.append(self._admit(index, req))
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.pending or self.active)
+
+    def cancel(self, index: int) -> bool:
+        """Drop request `index` wherever it is (its client went away, its deadline passed),
+        freeing its slot at once. True if it was there."""
+        for s in list(self.pending):
+            if s.index == index:
+                self.pending.remove(s)
+                return True
+        for s in self.active:
+            if s.index == index:
+                self.active.remove(s)
+                self._release(s)
+                return True
+        return False
+
+    def step(self) -> list[Event]:
+        """Admit pending requests into free slots (packed prefill), then run one speculative step
+        for every active request. Returns the events of both."""
+        events = []
+        while self.pending and self.free:
+            group = self._prefill_group(self.pending, self.free)
+            for s, new in zip(group, self._prefill(group)):
+                events.append(self._event(s, new))
+                if s.finish_reason:
+                    self._release(s)
+                else:
+                    self.active.append(s)
+        if self.active:
+            events += [self._event(s, new) for s, new in self._step(self.active)]
+            for s in [s for s in self.active if s.finish_reason]:
+                self.active.remove(s)
+                self._release(s)
+        return events
 
     def _event(self, s: RequestState, new: list[int]) -> Event:
-        return Event(s.index, new, s.finish_reason, s.stats if s.finish_reason else None)
+        if not s.finish_reason:
+            return Event(s.index, new, stats=s.stats)
+        route = s.route
+        return Event(s.index, new, s.finish_reason, s.stats,
+                     route.main_drafter(s.drafter) if route else s.drafter,
+                     route.switches if route else [])
 
-    def _release(self, s: RequestState, free: list[int]) -> None:
-        self.drafters[s.drafter].release(s)
-        free.append(s.slot)
+    def _release(self, s: RequestState) -> None:
+        for name, view in s.views.items():
+            self.drafters[name].release(view)
+        self.free.append(s.slot)
         s.slot = -1
 
     # -- the work -----------------------------------------------------------------------------
-    def _capture(self, names) -> tuple[int, ...]:
-        return tuple(sorted({i for n in names for i in self.drafters[n].capture}))
+    def _capture(self, states) -> tuple[int, ...]:
+        return tuple(sorted({i for s in states for n in self.attached(s)
+                             for i in self.drafters[n].capture}))
+
+    def _on_commit(self, s: RequestState, hidden: dict, start: int, end: int) -> None:
+        for name in self.attached(s):
+            d = self.drafters[name]
+            d.on_commit(s.view(name), {l: hidden[l][start:end] for l in d.capture})
 
     def _prefill_group(self, pending: deque, free: list[int]) -> list[RequestState]:
         """Next prompts to prefill in one packed forward. Packing stays within the row-exact
@@ -200,12 +316,12 @@ class Engine:
         t0 = time.perf_counter()
         logits, hidden = self.model.forward(torch.tensor([t for s in group for t in s.tokens]),
                                             batch, self.cache, logit_rows=last,
-                                            capture=self._capture({s.drafter for s in group}))
+                                            capture=self._capture(group))
         self.prefill_time += time.perf_counter() - t0
         out, start = [], 0
         for i, (s, n) in enumerate(zip(group, lengths)):
             new = self._commit(s, [self._sample_one(logits[i], s)])
-            self.drafters[s.drafter].on_commit(s, {l: h[start: start + n] for l, h in hidden.items()})
+            self._on_commit(s, hidden, start, start + n)
             out.append(new)
             start += n
         return out
@@ -215,14 +331,19 @@ class Engine:
             return int(logits.argmax())
         return int(sample(probs_from_logits(logits[None], s.params), s.generator))
 
-    def _propose(self, active: list[RequestState]) -> list[Proposal]:
+    def _propose(self, active: list[RequestState], names: list[str]) -> list[Proposal]:
+        """One proposal per request from drafter names[i] (grouped: one call per drafter)."""
         props: list[Proposal | None] = [None] * len(active)
         groups: dict[str, list[int]] = {}
-        for i, s in enumerate(active):
-            groups.setdefault(s.drafter, []).append(i)
+        for i, name in enumerate(names):
+            groups.setdefault(name, []).append(i)
         for name, idx in groups.items():
-            for i, p in zip(idx, self.drafters[name].propose([active[i] for i in idx])):
+            t0 = time.perf_counter()
+            views = [active[i].view(name) for i in idx]
+            for i, p in zip(idx, self.drafters[name].propose(views)):
                 props[i] = p
+            if self.router is not None:
+                self.router.note_draft_time(name, (time.perf_counter() - t0) / len(idx))
         out = []
         for s, p in zip(active, props):
             # never draft past the token budget or the cache (the bonus token always comes)
@@ -230,35 +351,72 @@ class Engine:
             out.append(p.clip(max(room, 0)))
         return out
 
+    def _cut(self, props: list[Proposal], t_draft: float) -> list[Proposal]:
+        """D-cut over the batch's drafts; without it, only the row limit of lossless kernels."""
+        lengths = torch.tensor([len(p.tokens) for p in props], dtype=torch.long)
+        total = int(lengths.sum())
+        if self.dcut and total:
+            _, keep = dcut_select(torch.cat([p.confidence for p in props]).double(), lengths,
+                                  t_draft, self.t_fixed, *self._cost_tensors,
+                                  torch.tensor(RATIOS, dtype=torch.float64))
+            self.dcut_drafted += total
+            self.dcut_kept += int(keep.sum())
+            props = [p.clip(int(k)) for p, k in zip(props, keep)]
+            lengths = keep
+        # one forward verifies at most SKINNY_MAX_ROWS tokens (row-exact kernels: lossless)
+        while int(lengths.sum()) + len(props) > SKINNY_MAX_ROWS:
+            i = int(lengths.argmax())
+            lengths[i] -= 1
+            props[i] = props[i].clip(int(lengths[i]))
+        return props
+
     def _step(self, active: list[RequestState]) -> list[tuple[RequestState, list[int]]]:
         self.steps += 1
-        props = self._propose(active)
+        t_step = time.perf_counter()
+        props = self._propose(active, [s.drafter for s in active])
+        shadow = {}  # routed requests: one other candidate drafts too, every few steps
+        for i, s in enumerate(active):
+            if s.route is not None:
+                name = self.router.shadow_due(s.route, s.drafter, self.available)
+                if name:
+                    shadow[i] = name
+        if shadow:
+            idx = list(shadow)
+            for i, p in zip(idx, self._propose([active[i] for i in idx], [shadow[i] for i in idx])):
+                self.router.record(active[i].route, shadow[i], len(active[i].tokens), p.tokens.tolist())
+        t_draft = time.perf_counter() - t_step
+        props = self._cut(props, t_draft)
         tokens, segments = [], []
         for s, p in zip(active, props):
             tokens.append(torch.tensor([s.tokens[-1]]))
             tokens.append(p.tokens)
             segments.append(Segment(s.slot, s.cache_len, 1 + len(p.tokens)))
+        t_fwd = time.perf_counter()
         logits, hidden = self.model.forward(torch.cat(tokens), self.model.batch(segments),
-                                            self.cache,
-                                            capture=self._capture({s.drafter for s in active}))
+                                            self.cache, capture=self._capture(active))
+        t_fwd = time.perf_counter() - t_fwd
+        verdicts = verify_batch(logits, [p.tokens for p in props], [p.q for p in props],
+                                [s.params for s in active], [s.generator for s in active])
         out, row = [], 0
-        for s, p in zip(active, props):
+        cost = route_cost(self.cost) if shadow or any(s.route for s in active) else None
+        for s, p, (accepted, new) in zip(active, props, verdicts):
             k = len(p.tokens)
-            rows = logits[row: row + k + 1]
-            if s.params.greedy:
-                accepted, new = verify_greedy(rows, p.tokens)
-            else:
-                accepted, new = verify_rejection(probs_from_logits(rows, s.params), p.tokens, p.q,
-                                                 s.generator)
             s.stats.steps += 1
             s.stats.drafted += k
             s.stats.accepted += accepted
             committed = self._commit(s, new)
             s.stats.committed += len(committed)
-            self.drafters[s.drafter].on_commit(
-                s, {l: h[row: row + accepted + 1] for l, h in hidden.items()})
+            self._on_commit(s, hidden, row, row + accepted + 1)
+            if s.route is not None:
+                s.route.used[s.drafter] = s.route.used.get(s.drafter, 0) + 1
+                s.drafter = self.router.observe(s.route, s.drafter, accepted, k, s.tokens, cost)
             out.append((s, committed))
             row += k + 1
+        total = time.perf_counter() - t_step
+        spent = total - t_draft - t_fwd
+        self.t_fixed = spent if self.steps == 1 else 0.9 * self.t_fixed + 0.1 * spent
+        if self.router is not None:
+            self.router.add_step_time(total)
         return out
 
     def _commit(self, s: RequestState, new: list[int]) -> list[int]:

@@ -1,49 +1,67 @@
-"""Acceptance of one request's draft against the target (ALGORITHMS.md section 0).
+"""Acceptance of drafts against the target (ALGORITHMS.md section 0), through the batched ops
+`angelspec::verify_greedy` and `angelspec::verify_rejection` (plugins/verify.py: the one
+implementation of each rule).
 
-Both rules return (accepted, tokens): `accepted` draft tokens were kept and `tokens` is what the
-step commits, i.e. the accepted prefix plus one token of the target's own (the bonus token).
+Every function returns, per request, (accepted, tokens): `accepted` draft tokens were kept and
+`tokens` is what the step commits, i.e. the accepted prefix plus one token of the target's own.
 """
 from __future__ import annotations
 
 import torch
 
-from angelspec.runtime.sampling import sample
+from angelspec.plugins import verify_greedy as _greedy_op, verify_rejection as _rejection_op
+from angelspec.runtime.sampling import probs_from_logits
+
+
+def _result(draft: torch.Tensor, accepted: int, last: int) -> tuple[int, list[int]]:
+    return accepted, draft[:accepted].tolist() + [last]
+
+
+def verify_batch(logits: torch.Tensor, drafts: list[torch.Tensor], qs: list, params: list,
+                 generators: list) -> list[tuple[int, list[int]]]:
+    """logits [sum(k_i + 1), vocab] packed request by request (anchor row, then one per draft
+    token); drafts [k_i]; qs: the draft distributions [k_i, vocab] or None (deterministic);
+    params: each request's SamplingParams; generators: their torch.Generator (sampling)."""
+    lengths = torch.tensor([len(d) for d in drafts], dtype=torch.long)
+    starts = (lengths + 1).cumsum(0) - (lengths + 1)
+    out: list = [None] * len(drafts)
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    for group, rule in ((greedy, "greedy"), (sampled, "rejection")):
+        if not group:
+            continue
+        rows = torch.cat([torch.arange(starts[i], starts[i] + lengths[i] + 1) for i in group])
+        part = logits if len(group) == len(drafts) else logits[rows]
+        draft = torch.cat([drafts[i] for i in group]).long()
+        if rule == "greedy":
+            accepted, last = _greedy_op(part, draft, lengths[group])
+        else:
+            probs = torch.cat([probs_from_logits(part[a: a + lengths[i] + 1], params[i])
+                               for i, a in zip(group, (lengths[group] + 1).cumsum(0) - (lengths[group] + 1))])
+            vocab = probs.shape[-1]
+            q = torch.cat([torch.nn.functional.one_hot(drafts[i].long(), vocab).float()
+                           if qs[i] is None else qs[i].float() for i in group])
+            uniforms = torch.cat([torch.rand(int(lengths[i]) + 1, 2, generator=generators[i])
+                                  for i in group])
+            accepted, last = _rejection_op(probs, draft, q, lengths[group], uniforms)
+        for j, i in enumerate(group):
+            out[i] = _result(drafts[i], int(accepted[j]), int(last[j]))
+    return out
 
 
 def verify_greedy(target_logits: torch.Tensor, draft: torch.Tensor) -> tuple[int, list[int]]:
-    """target_logits [k+1, vocab] at the anchor and each draft position, draft [k]."""
-    best = target_logits.argmax(dim=-1)
-    k = draft.numel()
-    match = (best[:k] == draft).int()
-    accepted = int(match.cumprod(0).sum()) if k else 0
-    return accepted, best[: accepted + 1].tolist()
+    """One request: target_logits [k+1, vocab] at the anchor and each draft position, draft [k]."""
+    accepted, last = _greedy_op(target_logits, draft.long(), torch.tensor([len(draft)]))
+    return _result(draft, int(accepted[0]), int(last[0]))
 
 
 def verify_rejection(target_probs: torch.Tensor, draft: torch.Tensor, draft_q: torch.Tensor | None,
                      generator: torch.Generator | None) -> tuple[int, list[int]]:
-    """Speculative rejection sampling; the committed tokens are distributed exactly as the target's.
-
-    target_probs [k+1, vocab] (after temperature/top-k/top-p), draft [k], draft_q [k, vocab] = the
-    distributions the draft tokens were drawn from, or None for a deterministic proposal (one-hot q).
-    """
-    k = draft.numel()
-    out: list[int] = []
-    for t in range(k):
-        x = int(draft[t])
-        p = target_probs[t]
-        qx = 1.0 if draft_q is None else float(draft_q[t, x])
-        r = float(torch.rand((), generator=generator))
-        if qx > 0 and r < min(1.0, float(p[x]) / qx):
-            out.append(x)
-            continue
-        if draft_q is None:
-            residual = p.clone()
-            residual[x] = 0.0
-        else:
-            residual = (p - draft_q[t]).clamp_min(0.0)
-        total = float(residual.sum())
-        residual = p if total <= 0 else residual / total
-        out.append(int(sample(residual[None], generator)))
-        return t, out
-    out.append(int(sample(target_probs[k][None], generator)))
-    return k, out
+    """One request: target_probs [k+1, vocab] (after temperature/top-k/top-p), draft [k], draft_q
+    [k, vocab] = the distributions the draft tokens were drawn from, or None for a deterministic
+    proposal (one-hot q)."""
+    k, vocab = len(draft), target_probs.shape[-1]
+    q = torch.nn.functional.one_hot(draft.long(), vocab).float() if draft_q is None else draft_q
+    uniforms = torch.rand(k + 1, 2, generator=generator)
+    accepted, last = _rejection_op(target_probs, draft.long(), q, torch.tensor([k]), uniforms)
+    return _result(draft, int(accepted[0]), int(last[0]))

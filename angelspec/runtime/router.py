@@ -1,0 +1,191 @@
+"""`auto` drafter routing (ALGORITHMS.md section 4): a domain classifier picks each request's
+first drafter, then shadow drafting lets the evidence switch it.
+
+1. **Classifier.** Multinomial naive Bayes over the prompt's token ids (chat template included,
+   as served), trained on the prompts of `angelspec data` with their domain labels; its held-out
+   accuracy is stored in the engine. The domain maps to a drafter (chat -> mtp, code/math -> dfly
+   by default; missing drafts fall back to ngram).
+2. **Online rule.** Every few steps of a request, ONE other candidate drafter (round robin) also
+   drafts for it: after `shadow_every` steps at first, the interval doubling (up to `max_every`)
+   each time the scores confirm the current drafter, and back to `shadow_every` after a switch. No extra target forward is needed to score that proposal: once the
+   positions it covers are committed, its accepted length is the length of its prefix that matches
+   the committed tokens (exact under greedy decoding). Each drafter's expected speed for the
+   request is estimated as (1 + mean accepted) / (mean draft time + C(1 + mean draft length)),
+   C being the engine's measured verification cost; after `min_obs` shadow scores, the request
+   switches to a drafter whose estimate beats the current one's by `margin`.
+   Cost: one extra draft pass per interval (4 to 32 steps), and never more than `budget` (5%) of
+   the engine's step time in total, however many requests are in flight; plus keeping the
+   candidates' context up to date (their hidden-state catch-up runs in the shadow pass).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+DOMAINS = ("chat", "code", "math")
+DEFAULT_ROUTES = {"chat": "mtp", "code": "dfly", "math": "dfly"}
+
+
+class DomainClassifier:
+    def __init__(self, log_prior: torch.Tensor, log_prob: torch.Tensor, domains=DOMAINS):
+        self.log_prior, self.log_prob, self.domains = log_prior, log_prob, tuple(domains)
+
+    @classmethod
+    def fit(cls, token_lists: list[list[int]], labels: list[str], vocab_size: int,
+            domains=DOMAINS, alpha: float = 0.5) -> "DomainClassifier":
+        counts = torch.full((vocab_size, len(domains)), alpha, dtype=torch.float64)
+        docs = torch.ones(len(domains), dtype=torch.float64)
+        for ids, label in zip(token_lists, labels):
+            d = domains.index(label)
+            counts[:, d].index_add_(0, torch.tensor(ids, dtype=torch.long),
+                                    torch.ones(len(ids), dtype=torch.float64))
+            docs[d] += 1
+        return cls((docs / docs.sum()).log().float(), (counts / counts.sum(0)).log().float(), domains)
+
+    def predict(self, ids: list[int]) -> str:
+        # each distinct token counts once: long prompts do not drown the prior in repeats
+        scores = self.log_prior + self.log_prob[torch.tensor(sorted(set(ids)), dtype=torch.long)].sum(0)
+        return self.domains[int(scores.argmax())]
+
+    def accuracy(self, token_lists: list[list[int]], labels: list[str]) -> float:
+        hits = sum(self.predict(ids) == y for ids, y in zip(token_lists, labels))
+        return hits / max(len(labels), 1)
+
+    def state_dict(self) -> dict:
+        return {"log_prior": self.log_prior, "log_prob": self.log_prob}
+
+
+@dataclass
+class DrafterEvidence:
+    """Per request and drafter: accepted tokens and draft lengths of scored proposals."""
+    n: int = 0
+    accepted: float = 0.0
+    drafted: float = 0.0
+
+    def add(self, accepted: int, drafted: int) -> None:
+        self.n += 1
+        self.accepted += accepted
+        self.drafted += drafted
+
+
+@dataclass
+class RouteState:
+    domain: str
+    evidence: dict = field(default_factory=dict)  # drafter -> DrafterEvidence
+    pending: list = field(default_factory=list)  # (drafter, start position, tokens) to score
+    steps: int = 0
+    turn: int = 0
+    interval: int = 0  # steps between shadow drafts (0: not started)
+    next_shadow: int = 0
+    switches: list = field(default_factory=list)  # (step, from, to)
+    used: dict = field(default_factory=dict)  # drafter -> steps it drafted
+
+    def main_drafter(self, current: str) -> str:
+        return max(self.used, key=self.used.get) if self.used else current
+
+
+class Router:
+    def __init__(self, classifier: DomainClassifier | None, routes: dict | None = None,
+                 candidates: tuple = ("mtp", "dfly", "ngram"), shadow_every: int = 4,
+                 min_obs: int = 3, margin: float = 0.1, max_every: int = 32,
+                 budget: float = 0.05):
+        self.classifier = classifier
+        self.routes = dict(routes or DEFAULT_ROUTES)
+        self.candidates = tuple(candidates)
+        self.shadow_every, self.min_obs, self.margin = shadow_every, min_obs, margin
+        self.max_every = max_every
+        self.budget = budget  # shadow drafting may cost at most this share of the steps' time
+        self.credit = 0.0  # seconds of shadow drafting currently affordable
+        self.draft_seconds: dict[str, float] = {}  # drafter -> EMA of one request's draft time
+
+    def settings(self) -> dict:
+        return {"routes": self.routes, "candidates": list(self.candidates),
+                "shadow_every": self.shadow_every, "max_every": self.max_every,
+                "min_obs": self.min_obs, "margin": self.margin, "budget": self.budget}
+
+    def first(self, prompt_ids: list[int], available) -> tuple[str, RouteState]:
+        domain = self.classifier.predict(prompt_ids) if self.classifier else "chat"
+        name = self.routes.get(domain, "ngram")
+        return (name if available(name) else "ngram"), RouteState(domain)
+
+    def note_draft_time(self, name: str, seconds: float) -> None:
+        old = self.draft_seconds.get(name)
+        self.draft_seconds[name] = seconds if old is None else 0.9 * old + 0.1 * seconds
+
+    def add_step_time(self, seconds: float) -> None:
+        """Earn shadow-drafting credit: `budget` of every step's time (capped at one second)."""
+        self.credit = min(self.credit + self.budget * seconds, 1.0)
+
+    def shadow_due(self, route: RouteState, current: str, available) -> str | None:
+        """The candidate to shadow-draft this step, if any (and if the budget affords it)."""
+        route.steps += 1
+        if not route.interval:
+            route.interval = self.shadow_every
+            route.next_shadow = self.shadow_every
+        if route.steps < route.next_shadow:
+            return None
+        route.next_shadow = route.steps + route.interval
+        others = [c for c in self.candidates if c != current and available(c)]
+        if not others:
+            return None
+        name = others[(route.turn + 1) % len(others)]
+        cost = self.draft_seconds.get(name, 0.0)
+        if cost > self.credit:
+            route.next_shadow = route.steps + 1  # due, but not affordable yet: ask next step
+            return None
+        self.credit -= cost
+        route.turn += 1
+        return name
+
+    def record(self, route: RouteState, name: str, position: int, tokens: list[int]) -> None:
+        """A shadow proposal for positions position.. (scored once they are committed)."""
+        route.pending.append((name, position, tokens))
+
+    def observe(self, route: RouteState, current: str, accepted: int, drafted: int,
+                committed: list[int], cost) -> str:
+        """After a step: score the current drafter and any shadow proposal whose positions are now
+        all committed; return the drafter to use from the next step on."""
+        route.evidence.setdefault(current, DrafterEvidence()).add(accepted, drafted)
+        keep, scored = [], False
+        for name, pos, toks in route.pending:
+            if pos + len(toks) > len(committed):
+                keep.append((name, pos, toks))
+                continue
+            ok = [a == b for a, b in zip(toks, committed[pos:pos + len(toks)])]
+            route.evidence.setdefault(name, DrafterEvidence()).add(
+                ok.index(False) if False in ok else len(ok), len(toks))
+            scored = True
+        route.pending = keep
+        best, best_speed = current, self.speed(route, current, cost)
+        for name, ev in route.evidence.items():
+            if name != current and ev.n >= self.min_obs:
+                speed = self.speed(route, name, cost)
+                if speed > best_speed * (1 + self.margin):
+                    best, best_speed = name, speed
+        if best != current:
+            route.switches.append((route.steps, current, best))
+            route.pending = []
+            route.interval = self.shadow_every
+        elif scored and all(ev.n >= self.min_obs for n, ev in route.evidence.items() if n != current):
+            route.interval = min(2 * route.interval, self.max_every)  # the evidence agrees: back off
+        return best
+
+    def speed(self, route: RouteState, name: str, cost) -> float:
+        ev = route.evidence.get(name)
+        if not ev or not ev.n:
+            return 0.0
+        k = ev.drafted / ev.n
+        verify = cost(1 + k) if cost else 1.0 + 0.05 * k
+        return (1 + ev.accepted / ev.n) / (self.draft_seconds.get(name, 0.0) + verify)
+
+
+def route_cost(cost_table):
+    """C(n) in seconds from a CostTable, for Router.speed (None: a unit cost per forward)."""
+    if cost_table is None:
+        return None
+    from angelspec.plugins import interpolate_cost
+    n, t = cost_table.tensors()
+    return lambda k: float(interpolate_cost(torch.tensor([float(k)]), n, t)[0])
+
+

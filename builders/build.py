@@ -1,0 +1,213 @@
+"""`angelspec build`: target + drafts -> `engines/<name>/` (ARCHITECTURE.md "Engine").
+
+Steps, each shown on a progress bar: check that every draft belongs to the target (hidden size,
+vocabulary, tokenizer hash, layer ids), copy the parts, train the `auto` router's domain
+classifier on the data step's prompts (held-out accuracy recorded), measure the backends (eager
+and torch.compile) and keep the fastest lossless one, profile D-cut's verification cost C(n) on
+this machine, and write the manifest with the SHA-256 of every file (last, so a folder without
+it is a build that did not finish).
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import sys
+import time
+
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from angelspec.bench import DEFAULT_PROMPTS, load_prompts
+from angelspec.checkpoint import load_target
+from angelspec.drafters import TRAINED, make_drafter
+from angelspec.plugins import RATIOS, SKINNY_MAX_ROWS
+from angelspec.runtime.cost import fingerprint, profile
+from angelspec.runtime.engine_dir import FORMAT, MANIFEST, sha256
+from angelspec.runtime.router import DEFAULT_ROUTES, DOMAINS, DomainClassifier, Router
+
+DRAFT_FILES = ("config.json", "model.safetensors")
+
+
+def _place(src: pathlib.Path, dst: pathlib.Path) -> None:
+    """Hard link when possible (engines are large and read-only), else copy."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if dst.exists():
+        dst.unlink()
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _domain_rows(path: pathlib.Path) -> list[dict]:
+    return [r for r in load_prompts(path) if r.get("domain") in DOMAINS]
+
+
+def train_router(target, data: pathlib.Path) -> tuple[DomainClassifier, dict]:
+    """Naive Bayes domain classifier on the data step's prompts; accuracy on its held-out split
+    and on the bundled benchmark prompts (neither is trained on)."""
+    train = _domain_rows(data / "prompts.jsonl")
+    enc = lambda rows: [target.encode_chat(r["prompt"]) for r in rows]  # noqa: E731
+    clf = DomainClassifier.fit(enc(train), [r["domain"] for r in train], target.config.vocab_size)
+    acc = {"trained_on": len(train)}
+    for name, path in (("heldout", data / "heldout.jsonl"), ("bundled_prompts", DEFAULT_PROMPTS)):
+        if path.exists():
+            rows = _domain_rows(path)
+            acc[name] = {"n": len(rows), "accuracy": round(clf.accuracy(enc(rows), [r["domain"] for r in rows]), 4)}
+    return clf, acc
+
+
+def calibrate_routes(target, drafts_dir: pathlib.Path, candidates: list[str], per_domain: int = 3,
+                     max_new: int = 64) -> tuple[dict, dict]:
+    """Each domain's starting drafter for `auto`: the candidate with the most tokens/s on the first
+    `per_domain` bundled benchmark prompts of that domain (never the data step's held-out split),
+    drafters taking turns prompt by prompt on this machine."""
+    from angelspec.runtime import Engine, Request, SamplingParams
+
+    rows = [r for r in load_prompts(DEFAULT_PROMPTS, per_domain) if r["domain"] in DOMAINS]
+    ids = [target.encode_chat(r["prompt"]) for r in rows]
+    engine = Engine(target, max_batch=1, max_len=max(map(len, ids)) + max_new + 1, drafts=str(drafts_dir))
+    params = SamplingParams(max_new_tokens=max_new)
+    tokens = {(d, c): 0 for d in DOMAINS for c in candidates}
+    seconds = dict.fromkeys(tokens, 0.0)
+    for r, x in zip(rows, ids):
+        for c in candidates:
+            t0 = time.perf_counter()
+            out = engine.generate([Request(x, params, c)])[0]
+            seconds[(r["domain"], c)] += time.perf_counter() - t0
+            tokens[(r["domain"], c)] += len(out.tokens)
+    speed = {d: {c: round(tokens[(d, c)] / max(seconds[(d, c)], 1e-9), 2) for c in candidates}
+             for d in DOMAINS}
+    return {d: max(s, key=s.get) for d, s in speed.items()}, speed
+
+
+def build(target_dir: str, drafts_dir: str, out: str, data_dir: str | None = None,
+          drafters: list[str] | None = None, backends: tuple = ("eager", "inductor"),
+          min_gain: float = 1.2, dcut: bool = True, max_tokens: int = SKINNY_MAX_ROWS,
+          export: str | None = None) -> dict:
+    from angelspec.builders.backend import choose
+
+    target_dir, drafts_dir, out = pathlib.Path(target_dir), pathlib.Path(drafts_dir), pathlib.Path(out)
+    target = load_target(target_dir)
+    kinds = drafters or [k for k in TRAINED if (drafts_dir / k / "config.json").exists()]
+    bar = tqdm(total=6, desc="build", unit="step", file=sys.stderr)
+
+    bar.set_postfix_str("checking drafts")
+    specs = {}
+    for kind in kinds:  # each load checks that the draft was trained for this target
+        d = make_drafter(kind, None, target, drafts_dir)
+        specs[kind] = {"kind": kind, "path": f"drafts/{kind}", "max_draft_len": d.draft_len,
+                       "target_layer_ids": list(d.cfg.target_layers),
+                       "draft_vocab": len(d.frozen.vocab_ids)}
+    bar.update()
+
+    bar.set_postfix_str("copying parts")
+    if (out / MANIFEST).exists():
+        (out / MANIFEST).unlink()  # from here until the end, the folder is a partial build
+    shutil.rmtree(out / "drafts", ignore_errors=True)  # no stale parts of an earlier build
+    for f in sorted(target_dir.iterdir()):
+        if f.is_file():
+            _place(f, out / "target" / f.name)
+    for kind in kinds:
+        for f in DRAFT_FILES:
+            _place(drafts_dir / kind / f, out / "drafts" / kind / f)
+    bar.update()
+
+    bar.set_postfix_str("router")
+    router = None
+    if data_dir:
+        data = pathlib.Path(data_dir)
+        if not (data / "prompts.jsonl").exists():
+            raise FileNotFoundError(f"{data}/prompts.jsonl not found: the router's classifier "
+                                    "trains on the data step's prompts (run `make data`)")
+        clf, accuracy = train_router(target, data)
+        save_file(clf.state_dict(), str(out / "router.safetensors"))
+        candidates = [c for c in ("mtp", "dfly", "ngram") if c in set(kinds) | {"ngram"}]
+        bar.set_postfix_str("router: measuring drafters per domain")
+        routes, speed = calibrate_routes(target, drafts_dir, candidates)
+        router = {**Router(None, routes, tuple(candidates)).settings(), "domains": list(DOMAINS),
+                  "classifier": "router.safetensors", "accuracy": accuracy,
+                  "calibration_tokens_per_s": speed, "design_routes": DEFAULT_ROUTES}
+    bar.update()
+
+    bar.set_postfix_str("backends")
+    backend = choose(target.model, backends, min_gain)
+    bar.update()
+
+    bar.set_postfix_str("profiling D-cut cost")
+    cost = profile(target.model, max_tokens=max_tokens, backend=backend["chosen"])
+    bar.update()
+
+    bar.set_postfix_str("manifest")
+    manifest = {
+        "format": FORMAT,
+        "name": out.name,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "target": {"path": "target", "source": str(target_dir),
+                   "architecture": target.config.architecture,
+                   "hidden_size": target.config.hidden_size, "vocab_size": target.config.vocab_size,
+                   "num_layers": target.config.num_layers, "tokenizer_sha256": target.tokenizer_hash()},
+        "drafters": {**specs, "ngram": {"kind": "ngram", "max_draft_len": 3}},
+        "defaults": {"drafter": "auto" if router else (kinds[0] if kinds else "ngram"), "dcut": dcut},
+        "router": router,
+        "backend": backend,
+        "dcut": {"ratios": list(RATIOS), "profile": cost.to_json()},
+        "fingerprint": fingerprint(backend["chosen"]),
+    }
+    shutil.rmtree(out / "trtllm", ignore_errors=True)
+    if export == "trtllm":
+        from angelspec.builders.trtllm import export as export_trtllm
+        manifest["exported"] = {"trtllm": export_trtllm(out, out / "trtllm", manifest)}
+    manifest["files"] = {str(f.relative_to(out)): sha256(f) for f in sorted(out.rglob("*"))
+                         if f.is_file() and f.name != MANIFEST}
+    tmp = out / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1) + "\n")
+    tmp.replace(out / MANIFEST)
+    bar.update()
+    bar.close()
+    return manifest
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--target", default="build/targets/smollm2-135m-instruct",
+                   help="target checkpoint folder (Hugging Face Llama family)")
+    p.add_argument("--drafts", default="build/drafts", help="folder of trained drafts (<drafts>/<kind>/)")
+    p.add_argument("--drafters", default=None,
+                   help="comma-separated draft kinds to include (default: every one found in --drafts)")
+    p.add_argument("--data", default="build/data",
+                   help="output of `angelspec data`: its prompts train the auto router's classifier; "
+                        "'' builds without a router")
+    p.add_argument("--out", default="engines/default", help="engine folder to write")
+    p.add_argument("--backends", default="eager,inductor",
+                   help="target-forward backends to measure (eager, inductor = torch.compile)")
+    p.add_argument("--min-gain", type=float, default=1.2,
+                   help="a compiled backend must be this much faster than eager (and bit-identical) "
+                        "to be chosen: it costs minutes of compilation at every start")
+    p.add_argument("--no-dcut", action="store_true", help="serve with a fixed draft length by default")
+    p.add_argument("--export", choices=["trtllm"], default=None,
+                   help="also write <out>/trtllm/: the drafts and an LLM-API YAML for TensorRT-LLM")
+
+
+def run(args) -> int:
+    m = build(args.target, args.drafts, args.out, args.data or None,
+              args.drafters.split(",") if args.drafters else None,
+              tuple(b.strip() for b in args.backends.split(",") if b.strip()), args.min_gain,
+              not args.no_dcut, export=args.export)
+    out = pathlib.Path(args.out)
+    for kind, paths in m.get("exported", {}).items():
+        print(f"{kind} export: {', '.join(paths)}")
+    be = m["backend"]
+    speeds = ", ".join(f"{b} {r['speedup_vs_eager']}x" for b, r in be["measured"].items())
+    print(f"{out}: drafters {', '.join(m['drafters'])}; default {m['defaults']['drafter']}, "
+          f"D-cut {'on' if m['defaults']['dcut'] else 'off'}; backend {be['chosen']} ({speeds})")
+    if be.get("why_eager"):
+        print(f"  eager kept: {be['why_eager']}")
+    if m["router"]:
+        r = m["router"]
+        print(f"  router: classifier accuracy {json.dumps(r['accuracy'])}; routes {r['routes']} "
+              f"(tokens/s measured per domain: {json.dumps(r['calibration_tokens_per_s'])})")
+    prof = m["dcut"]["profile"]
+    print("  verification cost C(n): " + ", ".join(f"{n}:{ms:.1f}ms" for n, ms in zip(prof["n"], prof["ms"])))
+    return 0

@@ -1,0 +1,132 @@
+"""Triton Inference Server from the repo: install the server shipped in `nvidia-pytriton==0.7.0`
+into a project folder, fill the model repository templates (model_repo/) for an engine, start
+`tritonserver` on loopback and wait until it is ready, stop it (ENVIRONMENT.md, "Starting
+tritonserver"). Nothing here assumes a GPU."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import shutil
+import signal
+import string
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.request
+
+TEMPLATES = pathlib.Path(__file__).resolve().parents[1] / "model_repo"
+MODELS = ("preprocessing", "angelspec", "postprocessing", "ensemble")
+
+
+def _pytriton() -> pathlib.Path:
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None:
+        raise FileNotFoundError("nvidia-pytriton is not installed: pip install nvidia-pytriton==0.7.0 "
+                                "(it ships the tritonserver binary and the Python backend)")
+    return pathlib.Path(spec.submodule_search_locations[0])
+
+
+def install(dest: str | pathlib.Path = "build/triton") -> pathlib.Path:
+    """Copy tritonserver, the Python backend and this Python's backend stub into `dest` (once)."""
+    dest = pathlib.Path(dest)
+    if (dest / "bin" / "tritonserver").exists():
+        return dest
+    src = _pytriton() / "tritonserver"
+    for part in ("bin", "backends", "caches"):
+        if (src / part).exists():
+            shutil.copytree(src / part, dest / part, dirs_exist_ok=True)
+    py = f"{sys.version_info.major}.{sys.version_info.minor}"
+    shutil.copy2(src / "python_backend_stubs" / py / "triton_python_backend_stub",
+                 dest / "backends" / "python" / "triton_python_backend_stub")
+    (dest / "caches").mkdir(exist_ok=True)
+    return dest
+
+
+def write_repo(engine: str | pathlib.Path, out: str | pathlib.Path = "build/model_repo",
+               max_batch: int = 8, max_queue: int = 32, request_timeout_s: float = 300.0,
+               decoupled: bool = True) -> pathlib.Path:
+    """Fill the templates in model_repo/ (never modified) into `out` for `engine`."""
+    from angelspec.runtime.engine_dir import read_manifest
+
+    engine = pathlib.Path(engine).resolve()
+    read_manifest(engine, verify=False)  # a clear error now rather than at model load
+    out = pathlib.Path(out)
+    values = {"engine_dir": str(engine), "max_batch_size": str(max_batch),
+              "max_queue": str(max_queue), "request_timeout_s": str(request_timeout_s),
+              "decoupled_mode": "true" if decoupled else "false"}
+    shutil.rmtree(out, ignore_errors=True)
+    for model in MODELS:
+        for f in (TEMPLATES / model).rglob("*"):
+            if f.is_file() and "__pycache__" not in f.parts:
+                dst = out / f.relative_to(TEMPLATES)
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                text = f.read_text()
+                dst.write_text(string.Template(text).substitute(values) if f.suffix == ".pbtxt" else text)
+        (out / model / "1").mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def environment(server: pathlib.Path) -> dict:
+    """LD_LIBRARY_PATH with the wheel's libraries and this Python's libpython; the venv's bin/
+    first on PATH (the backend stub finds packages through the `python3` there)."""
+    env = dict(os.environ)
+    libs = [str(_pytriton().parent / "nvidia_pytriton.libs"), sysconfig.get_config_var("LIBDIR")]
+    env["LD_LIBRARY_PATH"] = ":".join(libs + [env.get("LD_LIBRARY_PATH", "")]).rstrip(":")
+    env["PATH"] = str(pathlib.Path(sys.executable).parent) + ":" + env.get("PATH", "")
+    return env
+
+
+def start(repo: str | pathlib.Path, server: str | pathlib.Path = "build/triton", http_port: int = 8000,
+          grpc_port: int = 8001, metrics_port: int = 8002, log: str | pathlib.Path | None = None,
+          timeout: float = 300.0) -> subprocess.Popen:
+    """Start tritonserver on 127.0.0.1 and wait for /v2/health/ready (or fail with its log)."""
+    server = install(server)
+    log = pathlib.Path(log or pathlib.Path(server) / "server.log")
+    cmd = [str(server / "bin" / "tritonserver"), "--model-repository", str(pathlib.Path(repo).resolve()),
+           "--backend-directory", str(server / "backends"), "--cache-directory", str(server / "caches"),
+           "--http-address", "127.0.0.1", "--grpc-address", "127.0.0.1",
+           "--http-port", str(http_port), "--grpc-port", str(grpc_port),
+           "--metrics-port", str(metrics_port), "--allow-metrics", "true", "--log-verbose", "0"]
+    f = open(log, "w")
+    proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=environment(server),
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{http_port}/v2/health/ready"
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"tritonserver exited ({proc.returncode}); log {log}:\n"
+                               + log.read_text()[-4000:])
+        try:
+            if urllib.request.urlopen(url, timeout=2).status == 200:
+                (server / "server.json").write_text(json.dumps(
+                    {"pid": proc.pid, "http": http_port, "grpc": grpc_port, "metrics": metrics_port}))
+                return proc
+        except OSError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"tritonserver not ready after {timeout:.0f} s; log {log}:\n" + log.read_text()[-4000:])
+
+
+def stop(server: str | pathlib.Path = "build/triton") -> bool:
+    """Stop the server `start` recorded; True if one was running."""
+    info = pathlib.Path(server) / "server.json"
+    if not info.exists():
+        return False
+    pid = json.loads(info.read_text())["pid"]
+    info.unlink()
+    try:
+        os.killpg(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return False
+    for _ in range(100):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    os.killpg(pid, signal.SIGKILL)
+    return True

@@ -1,0 +1,214 @@
+"""The engine behind Triton (decoupled): requests that arrive while a step runs join the next
+step (continuous batching); every step's tokens stream out as they are committed.
+
+One worker thread owns the engine. `execute` only validates and queues. More requests than
+max_batch_size + max_queue get a "busy, retry" error instead of an unbounded queue; a request past
+request_timeout_s, or whose client went away, is ended and its slot freed at the next step.
+"""
+import json
+import queue
+import threading
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+def _scalar(request, name, default):
+    t = pb_utils.get_input_tensor_by_name(request, name)
+    if t is None:
+        return default
+    a = t.as_numpy().reshape(-1)
+    if a.size != 1:
+        raise ValueError(f"{name} must hold exactly one value, got {a.size}")
+    v = a[0]
+    return v.decode("utf-8") if isinstance(v, bytes) else v.item()
+
+
+class Job:
+    """One request in flight: its sender, streaming mode, deadline, and what is not sent yet."""
+
+    def __init__(self, sender, stream, deadline):
+        self.sender, self.stream, self.deadline = sender, stream, deadline
+        self.held: list[int] = []  # committed tokens not sent yet (end inside a character)
+        self.tokens: list[int] = []
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        from angelspec.runtime import load_engine
+
+        cfg = json.loads(args["model_config"])
+        p = {k: v["string_value"] for k, v in cfg["parameters"].items()}
+        self.max_batch = int(p["max_batch_size"])
+        self.capacity = self.max_batch + int(p["max_queue"])
+        self.timeout = float(p["request_timeout_s"])
+        self.engine = load_engine(p["engine_dir"], max_batch=self.max_batch, max_len=2048)
+        self.tok = self.engine.target.tokenizer
+        self.inbox: queue.Queue = queue.Queue()
+        self.jobs: dict[int, Job] = {}
+        self.lock = threading.Lock()
+        self.next_id = 0
+        self.running = True
+        self.metrics()
+        self.worker = threading.Thread(target=self.loop, daemon=True)
+        self.worker.start()
+
+    def metrics(self):
+        C, G = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE
+        self.m_drafted = pb_utils.MetricFamily("angelspec_draft_tokens_total",
+                                               "draft tokens verified, per drafter", C)
+        self.m_accepted = pb_utils.MetricFamily("angelspec_accepted_tokens_total",
+                                                "draft tokens accepted, per drafter", C)
+        self.m_steps = pb_utils.MetricFamily("angelspec_steps_total", "speculative steps run", C)
+        self.m_latency = pb_utils.MetricFamily("angelspec_step_seconds",
+                                               "latency of the last engine step", G)
+        self.m_active = pb_utils.MetricFamily("angelspec_requests_in_flight",
+                                              "requests admitted and not finished", G)
+        self.steps = self.m_steps.Metric(labels={})
+        self.latency = self.m_latency.Metric(labels={})
+        self.active = self.m_active.Metric(labels={})
+        self.per_drafter = {}
+
+    def drafter_metrics(self, name):
+        if name not in self.per_drafter:
+            self.per_drafter[name] = (self.m_drafted.Metric(labels={"drafter": name}),
+                                      self.m_accepted.Metric(labels={"drafter": name}))
+        return self.per_drafter[name]
+
+    # -- requests -----------------------------------------------------------------------------
+    def parse(self, request):
+        from angelspec.runtime import Request, SamplingParams
+
+        ids = pb_utils.get_input_tensor_by_name(request, "input_ids").as_numpy().reshape(-1)
+        max_tokens = _scalar(request, "max_tokens", None)
+        if max_tokens is None:
+            raise ValueError("max_tokens is required")
+        if max_tokens <= 0:
+            raise ValueError(f"max_tokens must be a positive integer, got {max_tokens}")
+        room = self.engine.max_len - len(ids)
+        if max_tokens > room > 0:
+            raise ValueError(f"max_tokens {max_tokens} exceeds the room left in the context: "
+                             f"{len(ids)} prompt tokens of {self.engine.max_len}, at most {room}")
+        seed = _scalar(request, "seed", None)
+        stops = pb_utils.get_input_tensor_by_name(request, "stop_ids")
+        stop_ids = [] if stops is None else stops.as_numpy().reshape(-1).tolist()
+        end_id = _scalar(request, "end_id", None)
+        if end_id is not None:
+            stop_ids.append(int(end_id))
+        params = SamplingParams(
+            max_new_tokens=int(max_tokens), temperature=float(_scalar(request, "temperature", 0.0)),
+            top_p=float(_scalar(request, "top_p", 1.0)), top_k=int(_scalar(request, "top_k", 0)),
+            seed=None if seed is None else int(seed), stop_token_ids=[int(t) for t in stop_ids])
+        drafter = _scalar(request, "drafter", "") or self.engine.default_drafter
+        stream = bool(_scalar(request, "stream", False))
+        return Request([int(t) for t in ids], params, drafter), stream
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                req, stream = self.parse(request)
+            except Exception as exc:
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))), flags=FINAL)
+                continue
+            with self.lock:
+                if len(self.jobs) + self.inbox.qsize() >= self.capacity:
+                    sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                        f"busy: {self.capacity} requests in flight, retry later")), flags=FINAL)
+                    continue
+                self.next_id += 1
+                rid = self.next_id
+            self.inbox.put((rid, req, Job(sender, stream, time.time() + self.timeout)))
+        return None
+
+    # -- the worker -----------------------------------------------------------------------------
+    def loop(self):
+        while self.running:
+            self.admit(block=not self.engine.busy)
+            self.expire()
+            if not self.engine.busy:
+                continue
+            t0 = time.perf_counter()
+            try:
+                events = self.engine.step()
+            except Exception as exc:  # never leave clients hanging: fail what is in flight
+                for rid in list(self.jobs):
+                    self.fail(rid, f"engine error: {exc}")
+                continue
+            self.latency.set(time.perf_counter() - t0)
+            self.steps.increment(1)
+            for ev in events:
+                self.deliver(ev)
+            self.active.set(len(self.jobs))
+
+    def admit(self, block):
+        try:
+            item = self.inbox.get(timeout=0.05) if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return
+        while item is not None:
+            rid, req, job = item
+            try:
+                self.engine.submit(req, rid)
+                self.jobs[rid] = job
+            except Exception as exc:
+                job.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))),
+                                flags=FINAL)
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                item = None
+
+    def expire(self):
+        now = time.time()
+        for rid, job in list(self.jobs.items()):
+            if job.sender.is_cancelled():
+                self.engine.cancel(rid)
+                del self.jobs[rid]
+            elif now > job.deadline:
+                self.fail(rid, f"request timed out after {self.timeout:.0f} s")
+
+    def fail(self, rid, message):
+        self.engine.cancel(rid)
+        job = self.jobs.pop(rid, None)
+        if job is not None:
+            job.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), flags=FINAL)
+
+    def response(self, ids, stats, drafter):
+        drafted = stats.drafted if stats else 0
+        accepted = stats.accepted if stats else 0
+        return pb_utils.InferenceResponse(output_tensors=[
+            pb_utils.Tensor("output_ids", np.array(ids, dtype=np.int32)),
+            pb_utils.Tensor("acceptance_rate", np.array([accepted / drafted if drafted else 0.0], dtype=np.float32)),
+            pb_utils.Tensor("total_accepted_draft_tokens", np.array([accepted], dtype=np.int32)),
+            pb_utils.Tensor("total_draft_tokens", np.array([drafted], dtype=np.int32)),
+            pb_utils.Tensor("drafter_used", np.array([(drafter or "").encode()], dtype=object))])
+
+    def deliver(self, ev):
+        job = self.jobs.get(ev.index)
+        if job is None:
+            return
+        job.tokens += ev.tokens
+        if ev.finish_reason:
+            del self.jobs[ev.index]
+            d, a = self.drafter_metrics(ev.drafter)
+            d.increment(ev.stats.drafted)
+            a.increment(ev.stats.accepted)
+            ids = job.held + ev.tokens if job.stream else job.tokens
+            job.sender.send(self.response(ids, ev.stats, ev.drafter), flags=FINAL)
+            return
+        if not job.stream or not ev.tokens:
+            return
+        job.held += ev.tokens
+        # hold back tokens that end inside a multi-byte character: chunks never split one
+        if self.tok.decode(job.tokens, skip_special_tokens=True).endswith("\ufffd"):
+            return
+        ids, job.held = job.held, []
+        job.sender.send(self.response(ids, ev.stats, None))
+
+    def finalize(self):
+        self.running = False
+        self.worker.join(timeout=5)

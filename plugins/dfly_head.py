@@ -1,0 +1,55 @@
+"""DFly's predecessor-conditioned AR head as one op (`angelspec::dfly_draft_head`).
+
+The block backbone drafts all positions in one parallel pass; the AR head then corrects each
+position by the token chosen just before it, a chain that is sequential by nature. The op runs
+the whole chain (greedy: each link takes the argmax) so drafting does not bounce through Python
+per position:
+
+    h'_i = h_i + down(silu(gate(x_i)) * up(x_i)),  x_i = [head_norm(h_i) ; prev_norm(embed[t_{i-1}])]
+    t_i  = vocab_ids[argmax(lm_head_rows . final_norm(h'_i))],  t_0 = the anchor
+"""
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from angelspec.plugins.linear import linear
+
+
+@torch.library.custom_op("angelspec::dfly_draft_head", mutates_args=())
+def dfly_draft_head(hidden: Tensor, anchor: Tensor, embed: Tensor, head_norm: Tensor,
+                    prev_norm: Tensor, gate: Tensor, up: Tensor, down: Tensor, final_norm: Tensor,
+                    lm_head: Tensor, vocab_ids: Tensor, eps: float,
+                    candidates: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """hidden [k, h] (backbone output per draft position), anchor [] long, embed [V, h],
+    lm_head [Vd, h] rows of the draft vocabulary with target ids vocab_ids [Vd]; candidates
+    [k, c] (optional): re-score only these draft-vocabulary indices per position.
+    Returns (tokens [k] target ids, confidence [k] = the draft's probability of each token)."""
+    k, h = hidden.shape
+    tokens = torch.empty(k, dtype=torch.long)
+    conf = torch.empty(k, dtype=hidden.dtype)
+    hn = F.rms_norm(hidden, (h,), head_norm, eps)
+    prev = anchor.reshape(())
+    for i in range(k):
+        pe = F.rms_norm(embed[prev][None], (h,), prev_norm, eps)
+        x = torch.cat([hn[i: i + 1], pe], dim=-1)
+        y = hidden[i: i + 1] + linear(F.silu(linear(x, gate)) * linear(x, up), down)
+        yn = F.rms_norm(y, (h,), final_norm, eps)
+        if candidates is None:
+            logits, ids = linear(yn, lm_head)[0], vocab_ids
+        else:
+            rows = candidates[i]
+            logits, ids = lm_head[rows] @ yn[0], vocab_ids[rows]
+        probs = torch.softmax(logits.float(), -1)
+        j = int(probs.argmax())
+        prev = ids[j]
+        tokens[i], conf[i] = prev, probs[j]
+    return tokens, conf
+
+
+@dfly_draft_head.register_fake
+def _(hidden, anchor, embed, head_norm, prev_norm, gate, up, down, final_norm, lm_head, vocab_ids,
+      eps, candidates=None):
+    k = hidden.shape[0]
+    return hidden.new_empty(k, dtype=torch.long), hidden.new_empty(k)

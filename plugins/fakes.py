@@ -1,0 +1,32 @@
+"""Fake (meta) implementations of the C++ ops, so graphs that call them trace under
+torch.compile / torch.export (shapes and dtypes only, no data)."""
+import torch
+
+from angelspec.plugins.build import load_kernels
+
+load_kernels()
+
+
+@torch.library.register_fake("angelspec::skinny_linear")
+def _(x, w):
+    return x.new_empty(x.shape[0], w.shape[0])
+
+
+@torch.library.register_fake("angelspec::cached_attention")
+def _(q, k, v, k_cache, v_cache, slots, positions, window):
+    return torch.empty_like(q)
+
+
+@torch.library.register_fake("angelspec::rms_norm")
+def _(x, w, eps):
+    return torch.empty_like(x)
+
+
+@torch.library.register_fake("angelspec::rope_")
+def _(x, cos, sin, positions, heads):
+    return None
+
+
+@torch.library.register_fake("angelspec::silu_mul")
+def _(gate_up):
+    return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)

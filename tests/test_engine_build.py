@@ -1,0 +1,182 @@
+"""`angelspec build` and loading an engine folder: validation, manifest, checksums, re-profiling,
+and lossless serving of every drafter (auto included) from the folder alone."""
+import json
+import shutil
+
+import pytest
+import torch
+
+from angelspec.builders.build import build
+from angelspec.checkpoint import load_target
+from angelspec.drafters.draft_checkpoint import save_draft
+from angelspec.runtime import Engine, Request, SamplingParams
+from angelspec.runtime.engine_dir import EngineError, load_engine, read_manifest
+from conftest import make_checkpoint
+from test_drafters import draft
+
+
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("parts")
+    make_checkpoint(root / "target", num_hidden_layers=8, seed=3)
+    target = load_target(root / "target", max_len=512)
+    for kind, vocab in (("mtp", 60), ("dfly", 60), ("dflash", 0)):
+        cfg, model = draft(target, kind, vocab=vocab)
+        save_draft(root / "drafts" / kind, cfg, model.state_dict())
+    (root / "data").mkdir()
+    rows = [{"prompt": p, "domain": d} for d, ps in
+            (("chat", ["hello there, how are you", "tell me a story about a cat"]),
+             ("code", ["def f(x): return x + 1", "for i in range(10): print(i)"]),
+             ("math", ["what is 12 * 7 = ?", "solve 3x + 5 = 20 for x"])) for p in ps]
+    text = "\n".join(json.dumps(r) for r in rows) + "\n"
+    (root / "data" / "prompts.jsonl").write_text(text)
+    (root / "data" / "heldout.jsonl").write_text(text)
+    manifest = build(str(root / "target"), str(root / "drafts"), str(root / "engine"),
+                     str(root / "data"), backends=("eager",), max_tokens=16, export="trtllm")
+    return root, target, manifest
+
+
+def test_manifest_names_every_part_with_checksums(parts):
+    root, _, m = parts
+    assert m == read_manifest(root / "engine")
+    assert set(m["drafters"]) == {"mtp", "dfly", "dflash", "ngram"}
+    assert m["defaults"] == {"drafter": "auto", "dcut": True}
+    assert {"target/model.safetensors", "drafts/dfly/model.safetensors", "router.safetensors",
+            "trtllm/speculative.yaml", "trtllm/dflash/model.safetensors"} <= set(m["files"])
+    assert m["backend"]["chosen"] == "eager" and m["dcut"]["profile"]["n"][-1] == 16
+    assert m["router"]["accuracy"]["heldout"]["n"] == 6
+    assert m["fingerprint"]["torch"] == torch.__version__
+
+
+def test_engine_serves_every_drafter_losslessly(parts):
+    root, target, _ = parts
+    eng = load_engine(root / "engine", max_batch=3, max_len=200)
+    assert eng.dcut and eng.router is not None
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(1, 96, (n,), generator=g).tolist() for n in (3, 11, 40)]
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    ref = Engine(target, max_batch=1, max_len=200).generate([Request(p, params, "ar") for p in prompts])
+    for d in ("mtp", "dfly", "dflash", "ngram", "auto"):
+        out = eng.generate([Request(p, params, d) for p in prompts])
+        assert [r.tokens for r in out] == [r.tokens for r in ref], d
+    assert all(r.drafter in ("mtp", "dfly", "ngram") for r in out)
+
+
+def test_corrupt_partial_and_foreign_engines_are_refused(parts, tmp_path):
+    root, _, _ = parts
+    eng = tmp_path / "engine"
+    shutil.copytree(root / "engine", eng)
+    with open(eng / "drafts" / "mtp" / "model.safetensors", "r+b") as f:
+        f.seek(200)
+        f.write(b"\x00\x01\x02")
+    with pytest.raises(EngineError, match="checksum mismatch in drafts/mtp/model.safetensors"):
+        read_manifest(eng)
+    (eng / "router.safetensors").unlink()
+    with pytest.raises(EngineError, match="missing router.safetensors"):
+        read_manifest(eng)
+    (eng / "engine.json").unlink()
+    with pytest.raises(EngineError, match="did not finish"):
+        read_manifest(eng)
+    with pytest.raises(EngineError, match="no such engine"):
+        read_manifest(tmp_path / "nowhere")
+
+
+def test_build_refuses_drafts_of_another_target(parts, tmp_path):
+    root, _, _ = parts
+    make_checkpoint(tmp_path / "other", num_hidden_layers=8, hidden_size=32, num_attention_heads=2,
+                    num_key_value_heads=1)
+    with pytest.raises(ValueError, match="hidden size: draft 64, target 32"):
+        build(str(tmp_path / "other"), str(root / "drafts"), str(tmp_path / "e"), None,
+              backends=("eager",), max_tokens=8)
+
+
+def test_another_machine_reprofiles_at_start(parts, tmp_path, capsys):
+    root, _, _ = parts
+    eng = tmp_path / "engine"
+    shutil.copytree(root / "engine", eng)
+    m = json.loads((eng / "engine.json").read_text())
+    m["dcut"]["profile"]["fingerprint"]["cpu"] = "another CPU"
+    (eng / "engine.json").write_text(json.dumps(m))
+    load_engine(eng, max_batch=1, max_len=64)
+    assert "re-profiling" in capsys.readouterr().err
+
+
+def test_bench_cli_with_engine_concurrency_dcut_and_auto(parts, tmp_path):
+    import subprocess
+    import sys
+
+    root, _, _ = parts
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, "-m", "angelspec.cli", "bench", "--engine", str(root / "engine"),
+           "--prompts", str(root / "data" / "heldout.jsonl"), "--max-new-tokens", "16",
+           "--drafters", "ar,ngram,dfly,auto", "--concurrency", "2", "--dcut", "both",
+           "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    rows = {(r["drafter"], r["dcut"], r["domain"]): r for r in res["results"]}
+    assert {(d, c) for d, c, _ in rows} == {("ar", False)} | {
+        (d, c) for d in ("ngram", "dfly", "auto") for c in (False, True)}
+    assert all(r["lossless"] and r["concurrency"] == 2 for r in res["results"])
+    assert rows[("dfly", True, "all")]["tokens_per_s"] > 0
+    assert rows[("dfly", True, "chat")]["tokens_per_s"] is None  # mixed batches: time for all only
+    used = rows[("auto", True, "all")]["drafter_used"]
+    assert sum(used.values()) == 6 and set(used) <= {"mtp", "dfly", "ngram"}
+    assert "auto+dcut" in proc.stdout
+
+
+def test_trtllm_export_follows_the_documented_format(parts, tmp_path):
+    """TensorRT-LLM cannot be installed here: check the files against its documented format
+    (DFlashDecodingConfig, DFlashForCausalLM.load_weights, the draft_len_schedule validator)."""
+    import yaml
+    from safetensors.torch import load_file
+
+    from angelspec.builders.trtllm import export
+
+    root, target, m = parts
+    written = export(root / "engine", tmp_path / "trt")  # (angelspec build --export trtllm)
+    spec = yaml.safe_load((tmp_path / "trt" / "speculative.yaml").read_text())["speculative_config"]
+    assert spec["decoding_type"] == "DFlash" and pathlib_exists(spec["speculative_model"])
+    sched = spec["draft_len_schedule"]
+    assert min(sched) == 1 and sched[1] == spec["max_draft_len"]
+    assert all(k >= 1 and 0 <= v <= spec["max_draft_len"] for k, v in sched.items())
+    assert spec["max_draft_len"] <= 5  # the tiny drafts have block size 6
+    cfg = json.loads((tmp_path / "trt" / "dflash" / "config.json").read_text())
+    assert cfg["block_size"] == cfg["dflash_config"]["block_size"] == 6
+    assert cfg["dflash_config"]["target_layer_ids"] == [l - 1 for l in m["drafters"]["dflash"]["target_layer_ids"]]
+    w = load_file(str(tmp_path / "trt" / "dflash" / "model.safetensors"))
+    layer = {"input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
+             "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}
+    assert set(w) == {"fc.weight", "hidden_norm.weight", "norm.weight"} | {
+        f"layers.{i}.{n}.weight" for i in range(2) for n in layer}
+    assert w["fc.weight"].shape == (64, 5 * 64)
+    ours = load_file(str(root / "engine" / "drafts" / "dflash" / "model.safetensors"))
+    assert torch.equal(w["layers.1.mlp.down_proj.weight"], ours["layers.1.mlp.down.weight"])
+    assert any(p.endswith("mtp-deepseek-layout") for p in written)
+
+
+def pathlib_exists(p):
+    import pathlib
+    return pathlib.Path(p).is_dir()
+
+
+def test_compiled_backend_is_measured_and_stays_lossless(tmp_path):
+    """torch.compile over the C++ ops (through their fake kernels): the build's measurement
+    reports bit-identical logits, and an engine on the compiled forward decodes exactly as eager."""
+    from angelspec.builders.backend import choose, use_backend
+    from conftest import tiny_target
+    from test_lossless import NoisyOracle, autoregressive, prompts
+
+    target = tiny_target(tmp_path / "t")
+    report = choose(target.model, ("eager", "inductor"))
+    assert report["measured"]["inductor"]["bit_identical_to_eager"]
+    ps = prompts(3)
+    ref = autoregressive(target, ps, 20)
+    use_backend(target.model, "inductor")
+    try:
+        oracle = NoisyOracle({tuple(p): r for p, r in zip(ps, ref)}, 4)
+        eng = Engine(target, max_batch=2, max_len=256, drafters={"oracle": oracle})
+        out = eng.generate([Request(p, SamplingParams(max_new_tokens=20), "oracle") for p in ps])
+        assert [r.tokens for r in out] == ref
+    finally:
+        use_backend(target.model, "eager")

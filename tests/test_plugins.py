@@ -1,0 +1,165 @@
+"""The system's custom ops (plugins/): opcheck (schema, fake kernels, autograd registration),
+and each op against a plain reference of its rule."""
+import itertools
+import math
+
+import pytest
+import torch
+from torch.library import opcheck
+
+from angelspec.plugins import RATIOS, dcut_select, interpolate_cost, verify_greedy, verify_rejection
+from angelspec.plugins.dfly_head import dfly_draft_head
+
+G = torch.Generator().manual_seed(0)
+
+
+def ragged(lengths, vocab=11):
+    n = sum(lengths) + len(lengths)
+    logits = torch.randn(n, vocab, generator=G)
+    draft = torch.randint(0, vocab, (sum(lengths),), generator=G)
+    # make some drafts right: copy the target's argmax into the first positions
+    best, row, tok = logits.argmax(-1), 0, 0
+    for k in lengths:
+        for j in range(k):
+            if j < k // 2 + 1:
+                draft[tok + j] = best[row + j]
+        row, tok = row + k + 1, tok + k
+    return logits, draft, torch.tensor(lengths)
+
+
+def test_opcheck_all_ops():
+    logits, draft, lengths = ragged([3, 0, 5])
+    opcheck(verify_greedy, (logits, draft, lengths))
+    probs = torch.softmax(logits, -1)
+    q = torch.softmax(torch.randn(len(draft), logits.shape[1], generator=G), -1)
+    opcheck(verify_rejection, (probs, draft, q, lengths, torch.rand(len(logits), 2, generator=G)))
+    conf = torch.rand(len(draft), generator=G, dtype=torch.float64)
+    cost = (torch.tensor([1.0, 8.0, 32.0], dtype=torch.float64), torch.tensor([0.03, 0.04, 0.09], dtype=torch.float64))
+    opcheck(dcut_select, (conf, lengths, 0.01, 0.002, *cost, torch.tensor(RATIOS, dtype=torch.float64)))
+    h, v, m = 8, 13, 6
+    args = (torch.randn(4, h), torch.tensor(3), torch.randn(v, h), torch.ones(h), torch.ones(h),
+            torch.randn(m, 2 * h), torch.randn(m, 2 * h), torch.randn(h, m), torch.ones(h),
+            torch.randn(7, h), torch.arange(7) * 2, 1e-5)
+    opcheck(dfly_draft_head, args)
+    opcheck(dfly_draft_head, args + (torch.randint(0, 7, (4, 3), generator=G),))
+
+
+def test_verify_greedy_matches_per_request_rule():
+    for lengths in ([3, 0, 5], [1], [0, 0], [7, 7, 2, 4]):
+        logits, draft, lens = ragged(lengths)
+        accepted, last = verify_greedy(logits, draft, lens)
+        row = tok = 0
+        for b, k in enumerate(lengths):
+            best = logits[row: row + k + 1].argmax(-1)
+            a = 0
+            while a < k and best[a] == draft[tok + a]:
+                a += 1
+            assert (int(accepted[b]), int(last[b])) == (a, int(best[a]))
+            row, tok = row + k + 1, tok + k
+
+
+def test_verify_rejection_batched_equals_one_by_one():
+    logits, draft, lens = ragged([2, 4, 0, 3])
+    probs = torch.softmax(logits / 0.7, -1)
+    q = torch.softmax(torch.randn(len(draft), probs.shape[1], generator=G), -1)
+    u = torch.rand(len(probs), 2, generator=G)
+    accepted, last = verify_rejection(probs, draft, q, lens, u)
+    row = tok = 0
+    for b, k in enumerate(lens.tolist()):
+        a1, l1 = verify_rejection(probs[row: row + k + 1], draft[tok: tok + k], q[tok: tok + k],
+                                  torch.tensor([k]), u[row: row + k + 1])
+        assert (int(a1[0]), int(l1[0])) == (int(accepted[b]), int(last[b]))
+        row, tok = row + k + 1, tok + k
+
+
+def brute_force_dcut(conf, lengths, t_draft, t_fixed, cn, ct):
+    """Enumerate every way to keep a prefix of each draft: for each ratio, the best total
+    survival among allocations of exactly K tokens; then the utility rule."""
+    surv, i = [], 0
+    for k in lengths:
+        surv.append([math.prod(conf[i: i + j + 1]) for j in range(k)])
+        i += k
+    total, bs, best = sum(lengths), len(lengths), None
+    for r in RATIOS:
+        K = math.ceil(r * total - 1e-9)
+        top = max(sum(sum(s[:j]) for s, j in zip(surv, alloc))
+                  for alloc in itertools.product(*[range(k + 1) for k in lengths]) if sum(alloc) == K)
+        c = float(interpolate_cost(torch.tensor([float(bs + K)]), cn, ct)[0])
+        u = (bs + top) / (t_draft + c + t_fixed)
+        if best is None or u > best[0] * (1 + 1e-12):
+            best = (u, r, top)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_dcut_global_top_k_is_optimal_and_keeps_prefixes(seed):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 5, (3,), generator=g).tolist()
+    conf = torch.rand(sum(lengths), generator=g, dtype=torch.float64)
+    slope = float(torch.rand((), generator=g)) * 0.02  # flat to steep verification cost
+    cn = torch.tensor([1.0, 4.0, 16.0], dtype=torch.float64)
+    ct = 0.03 + slope * (cn - 1)
+    ratio, keep = dcut_select(conf, torch.tensor(lengths), 0.005, 0.001, cn, ct,
+                              torch.tensor(RATIOS, dtype=torch.float64))
+    assert all(0 <= k <= n for k, n in zip(keep.tolist(), lengths))
+    if sum(lengths) == 0:
+        return
+    u, r, top = brute_force_dcut(conf.tolist(), lengths, 0.005, 0.001, cn, ct)
+    assert float(ratio) == r
+    assert int(keep.sum()) == math.ceil(r * sum(lengths) - 1e-9)
+    i, kept = 0, 0.0  # the kept prefixes reach the best total survival of any allocation
+    for n, k in zip(lengths, keep.tolist()):
+        kept += sum(math.prod(conf[i: i + j + 1].tolist()) for j in range(k))
+        i += n
+    assert kept == pytest.approx(top)
+
+
+def test_dcut_follows_the_cost_curve():
+    conf = torch.tensor([0.9, 0.8, 0.5, 0.2, 0.95, 0.3, 0.1, 0.05], dtype=torch.float64)
+    lengths = torch.tensor([4, 4])
+    cn = torch.tensor([1.0, 64.0], dtype=torch.float64)
+    ratios = torch.tensor(RATIOS, dtype=torch.float64)
+    flat = dcut_select(conf, lengths, 0.0, 0.0, cn, torch.tensor([0.03, 0.03], dtype=torch.float64), ratios)
+    assert float(flat[0]) == 1.0 and flat[1].tolist() == [4, 4]  # free tokens: keep everything
+    dear = dcut_select(conf, lengths, 0.0, 0.0, cn, torch.tensor([0.03, 0.975], dtype=torch.float64), ratios)
+    assert float(dear[0]) == 0.25 and dear[1].tolist() == [1, 1]  # each top survival kept
+    steep = dcut_select(conf, lengths, 0.0, 0.0, cn, torch.tensor([0.03, 2.0], dtype=torch.float64), ratios)
+    assert float(steep[0]) == 0.0 and steep[1].tolist() == [0, 0]  # nothing is worth verifying
+    # ties go to the smaller ratio: zero confidence adds nothing
+    zero = dcut_select(torch.zeros(8, dtype=torch.float64), lengths, 0.0, 0.0, cn,
+                       torch.tensor([0.03, 0.03], dtype=torch.float64), ratios)
+    assert float(zero[0]) == 0.0
+    # drafting time is paid whatever the ratio: a large T_draft makes keeping more worth it
+    mid = torch.tensor([0.03, 0.03 + 63 * 0.004], dtype=torch.float64)
+    small = dcut_select(conf, lengths, 0.0, 0.0, cn, mid, ratios)
+    big = dcut_select(conf, lengths, 0.5, 0.0, cn, mid, ratios)
+    assert float(big[0]) >= float(small[0])
+
+
+def test_dfly_draft_head_is_the_greedy_chain():
+    from angelspec.drafters.modules import SwiGLU
+    import torch.nn.functional as F
+
+    h, v, vd = 16, 50, 20
+    embed, lm = torch.randn(v, h, generator=G), torch.randn(vd, h, generator=G)
+    ids = torch.randperm(v, generator=G)[:vd]
+    ar = SwiGLU(2 * h, 24, h)
+    hn_w, pn_w, fn_w = (torch.rand(h, generator=G) + 0.5 for _ in range(3))
+    hidden = torch.randn(5, h, generator=G)
+    tokens, conf = dfly_draft_head(hidden, torch.tensor(7), embed, hn_w, pn_w, ar.gate.weight.detach(),
+                                   ar.up.weight.detach(), ar.down.weight.detach(), fn_w, lm, ids, 1e-5)
+    prev = 7
+    with torch.no_grad():
+        for i in range(5):
+            x = torch.cat([F.rms_norm(hidden[i], (h,), hn_w, 1e-5), F.rms_norm(embed[prev], (h,), pn_w, 1e-5)])
+            y = F.rms_norm(hidden[i] + ar(x), (h,), fn_w, 1e-5)
+            p = torch.softmax(lm @ y, -1)
+            prev = int(ids[p.argmax()])
+            assert int(tokens[i]) == prev and float(conf[i]) == pytest.approx(float(p.max()), rel=1e-5)
+
+
+def test_ops_trace_under_torch_compile():
+    logits, draft, lengths = ragged([2, 3])
+    f = torch.compile(lambda a, b, c: verify_greedy(a, b, c), backend="eager", fullgraph=True)
+    assert [t.tolist() for t in f(logits, draft, lengths)] == \
+        [t.tolist() for t in verify_greedy(logits, draft, lengths)]

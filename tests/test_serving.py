@@ -1,0 +1,186 @@
+"""The served stack: a real tritonserver (the nvidia-pytriton build) started by the tests on free
+ports, hosting a tiny engine the tests build themselves; HTTP generate, gRPC streaming, bad input,
+seeds, busy, cancellation, metrics, and lossless output through the whole stack."""
+import json
+import math
+import queue
+import socket
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+import torch
+
+from angelspec.builders import triton
+from angelspec.builders.build import build
+from angelspec.checkpoint import load_target
+from angelspec.drafters.draft_checkpoint import save_draft
+from angelspec.runtime import Engine, Request, SamplingParams
+from conftest import make_checkpoint
+from test_drafters import draft
+
+pytest.importorskip("pytriton")
+grpcclient = pytest.importorskip("tritonclient.grpc")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    make_checkpoint(root / "target", num_hidden_layers=8, seed=3)
+    target = load_target(root / "target", max_len=512)
+    for kind, vocab in (("mtp", 60), ("dfly", 60)):
+        cfg, model = draft(target, kind, vocab=vocab)
+        save_draft(root / "drafts" / kind, cfg, model.state_dict())
+    (root / "data").mkdir()
+    rows = [{"prompt": p, "domain": d} for d, p in (("chat", "hello there"), ("code", "def f(x):"),
+                                                     ("math", "12 * 7 = ?"))]
+    (root / "data" / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    build(str(root / "target"), str(root / "drafts"), str(root / "engine"), str(root / "data"),
+          backends=("eager",), max_tokens=16)
+    repo = triton.write_repo(root / "engine", root / "repo", max_batch=2, max_queue=2,
+                             request_timeout_s=20)
+    ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
+    log = root / "server.log"
+    proc = triton.start(repo, root / "triton", ports["http"], ports["grpc"], ports["metrics"], log=log)
+    yield {"target": target, "engine": root / "engine", "log": log, **ports}
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except Exception:
+        proc.kill()
+
+
+@pytest.fixture(autouse=True)
+def show_log_on_failure(request, server):
+    yield
+    rep = getattr(request.node, "rep_call", None)
+    if rep is not None and rep.failed:
+        print("---- tritonserver log (tail) ----\n" + server["log"].read_text()[-4000:])
+
+
+def generate(server, **body):
+    req = urllib.request.Request(f"http://127.0.0.1:{server['http']}/v2/models/ensemble/generate",
+                                 data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def reference(server, text, n, drafter="none"):
+    target = server["target"]
+    ids = target.tokenizer.encode(text, add_special_tokens=False)
+    out = Engine(target, max_batch=1, max_len=512).generate(
+        [Request(ids, SamplingParams(max_new_tokens=n), drafter)])[0]
+    return target.decode(out.tokens)
+
+
+def test_http_generate_is_lossless_with_stats(server):
+    for drafter in ("auto", "dfly", "none"):
+        status, body = generate(server, text_input="hello there", max_tokens=24, drafter=drafter)
+        assert status == 200, body
+        assert body["text_output"] == reference(server, "hello there", 24)
+        assert 0 <= body["acceptance_rate"] <= 1
+        if drafter == "dfly":
+            assert body["total_draft_tokens"] > 0 and body["drafter_used"] == "dfly"
+
+
+def tensor(name, value, dtype, ttype):
+    t = grpcclient.InferInput(name, [1], ttype)
+    t.set_data_from_numpy(np.array([value], dtype=dtype))
+    return t
+
+
+def grpc_call(server, ins):
+    """One request over gRPC streaming (the only gRPC path to a decoupled model): the text of
+    every response, and the error if one came."""
+    results: queue.Queue = queue.Queue()
+    c = grpcclient.InferenceServerClient(f"127.0.0.1:{server['grpc']}")
+    c.start_stream(callback=lambda result, error: results.put((result, error)))
+    c.async_stream_infer("ensemble", ins)
+    chunks, error = [], None
+    while True:
+        r, e = results.get(timeout=120)
+        if e is not None:
+            error = str(e)
+            break
+        chunks.append(r.as_numpy("text_output").reshape(-1)[0].decode())
+        if r.get_response().parameters["triton_final_response"].bool_param:
+            break
+    c.stop_stream()
+    return chunks, error
+
+
+def stream(server, text, max_tokens, **extra):
+    ins = [tensor("text_input", text.encode(), object, "BYTES"),
+           tensor("max_tokens", max_tokens, np.int32, "INT32"), tensor("stream", True, bool, "BOOL")]
+    return grpc_call(server, ins + [tensor(k, *v) for k, v in extra.items()])
+
+
+def test_grpc_streaming_chunks_add_up_to_the_full_text(server):
+    chunks, error = stream(server, "def f(x):", 30)
+    assert error is None and len(chunks) > 1
+    assert "".join(chunks) == reference(server, "def f(x):", 30)
+
+
+@pytest.mark.parametrize("body,message", [
+    ({"text_input": "", "max_tokens": 8}, "text_input is empty"),
+    ({"text_input": "hi", "max_tokens": 0}, "max_tokens must be a positive integer"),
+    ({"text_input": "hi", "max_tokens": -3}, "max_tokens must be a positive integer"),
+    ({"text_input": "hi", "max_tokens": 100000}, "exceeds the room left in the context"),
+    ({"text_input": "hi", "max_tokens": 8, "temperature": -1.0}, "temperature must be"),
+    ({"text_input": "hi", "max_tokens": 8, "top_p": 1.5}, "top_p must be in (0, 1]"),
+    ({"text_input": "hi", "max_tokens": 8, "drafter": "medusa"}, "unknown drafter 'medusa'"),
+    ({"text_input": "x" * 3000, "max_tokens": 8}, "does not fit the context"),
+])
+def test_bad_input_gets_a_clear_error_and_the_server_stays_up(server, body, message):
+    status, out = generate(server, **body)
+    assert status >= 400 and message in out.get("error", ""), out
+    status, out = generate(server, text_input="hello there", max_tokens=4)
+    assert status == 200
+
+
+def test_nan_temperature_and_non_utf8_bytes_are_refused(server):
+    _, error = stream(server, "hi", 4, temperature=(math.nan, np.float32, "FP32"))
+    assert error and "temperature must be" in error
+    bad = tensor("text_input", b"\xff\xfe bad", object, "BYTES")
+    _, error = grpc_call(server, [bad, tensor("max_tokens", 4, np.int32, "INT32")])
+    assert error and "not valid UTF-8" in error
+    _, error = grpc_call(server, [tensor("text_input", b"hi", object, "BYTES"),
+                                  tensor("max_tokens", 4.0, np.float32, "FP32")])  # wrong dtype
+    assert error and "max_tokens" in error
+
+
+def test_seeded_sampling_is_reproducible(server):
+    def run(seed):
+        return generate(server, text_input="hello there", max_tokens=20, temperature=0.9, seed=seed)[1]["text_output"]
+    assert run(5) == run(5)
+    assert run(5) != run(6)
+
+
+def test_metrics_count_drafted_and_accepted_tokens(server):
+    generate(server, text_input="12 * 7 = ?", max_tokens=16, drafter="dfly")
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server['metrics']}/metrics", timeout=10).read().decode()
+    assert 'angelspec_draft_tokens_total{drafter="dfly"}' in text
+    assert "angelspec_step_seconds" in text and "nv_inference_request_success" in text
+
+
+def test_client_cli_over_http_and_grpc_streaming(server):
+    import subprocess
+    import sys
+
+    expect = reference(server, "hello there", 16)
+    for extra in ([f"--url=127.0.0.1:{server['http']}"], ["--grpc", f"--url=127.0.0.1:{server['grpc']}"],
+                  ["--grpc", "--stream", f"--url=127.0.0.1:{server['grpc']}"]):
+        proc = subprocess.run([sys.executable, "-m", "angelspec.cli", "client", "hello there",
+                               "--max-tokens", "16", *extra], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert proc.stdout.rstrip("\n") == expect.rstrip("\n") and "acceptance rate" in proc.stderr
