@@ -71,11 +71,16 @@ def write_repo(engine: str | pathlib.Path, out: str | pathlib.Path = "build/mode
 
 def environment(server: pathlib.Path) -> dict:
     """LD_LIBRARY_PATH with the wheel's libraries and this Python's libpython; the venv's bin/
-    first on PATH (the backend stub finds packages through the `python3` there)."""
+    first on PATH (the backend stub finds packages through the `python3` there); a kernel build
+    folder of the server's own."""
     env = dict(os.environ)
     libs = [str(_pytriton().parent / "nvidia_pytriton.libs"), sysconfig.get_config_var("LIBDIR")]
     env["LD_LIBRARY_PATH"] = ":".join(libs + [env.get("LD_LIBRARY_PATH", "")]).rstrip(":")
     env["PATH"] = str(pathlib.Path(sys.executable).parent) + ":" + env.get("PATH", "")
+    # the backend stub's torch hashes a different build environment for the C++ kernels; a
+    # folder of its own stops the two from rebuilding each other's (~1 min each time)
+    from angelspec.plugins.build import build_dir
+    env["ANGELSPEC_EXT_DIR"] = str(build_dir().parent) + "-triton"
     return env
 
 

@@ -184,3 +184,41 @@ def test_client_cli_over_http_and_grpc_streaming(server):
                                "--max-tokens", "16", *extra], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert proc.stdout.rstrip("\n") == expect.rstrip("\n") and "acceptance rate" in proc.stderr
+
+
+def in_flight(server) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server['metrics']}/metrics", timeout=10).read().decode()
+    line = next((l for l in text.splitlines() if l.startswith("angelspec_requests_in_flight")), None)
+    return float(line.split()[-1]) if line else 0.0
+
+
+def test_overload_gets_busy_and_everything_else_completes(server):
+    """max_batch 2 + max_queue 2: of 8 simultaneous long requests, the extra ones are told to
+    retry at once; the admitted ones finish, and the slots are free afterwards."""
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        outcomes = list(pool.map(lambda _: stream(server, "def f(x):", 300), range(8)))
+    busy = [e for _, e in outcomes if e and "busy" in e]
+    done = [c for c, e in outcomes if e is None]
+    assert busy and done and len(busy) + len(done) == 8, [e for _, e in outcomes]
+    assert all("".join(c) == "".join(done[0]) for c in done)
+    assert generate(server, text_input="hello there", max_tokens=4)[0] == 200
+
+
+def test_a_client_that_goes_away_frees_its_slot(server):
+    import time
+
+    results: queue.Queue = queue.Queue()
+    c = grpcclient.InferenceServerClient(f"127.0.0.1:{server['grpc']}")
+    c.start_stream(callback=lambda result, error: results.put((result, error)))
+    c.async_stream_infer("ensemble", [tensor("text_input", b"def f(x):", object, "BYTES"),
+                                      tensor("max_tokens", 1500, np.int32, "INT32"),
+                                      tensor("stream", True, bool, "BOOL")])
+    results.get(timeout=60)  # the first chunk arrived: the request holds a slot
+    c.stop_stream(cancel_requests=True)
+    deadline = time.time() + 30
+    while in_flight(server) > 0 and time.time() < deadline:
+        time.sleep(0.5)
+    assert in_flight(server) == 0
+    assert generate(server, text_input="hello there", max_tokens=4)[0] == 200

@@ -47,6 +47,7 @@ class TritonPythonModel:
         self.timeout = float(p["request_timeout_s"])
         self.engine = load_engine(p["engine_dir"], max_batch=self.max_batch, max_len=2048)
         self.tok = self.engine.target.tokenizer
+        self.warm_up()
         self.inbox: queue.Queue = queue.Queue()
         self.jobs: dict[int, Job] = {}
         self.lock = threading.Lock()
@@ -55,6 +56,18 @@ class TritonPythonModel:
         self.metrics()
         self.worker = threading.Thread(target=self.loop, daemon=True)
         self.worker.start()
+
+    def warm_up(self):
+        """Pay every first-use cost (drafts loaded, custom ops dispatched, kernels touched) while
+        the model loads, so the server is ready when it says so (the first request took ~50 s
+        without this)."""
+        from angelspec.runtime import Request, SamplingParams
+
+        ids = self.tok.encode("Hello, world. Hello, world.", add_special_tokens=False) or [0]
+        for drafter in (self.engine.default_drafter, "none"):
+            self.engine.generate([Request(ids, SamplingParams(max_new_tokens=8), drafter)])
+            self.engine.generate([Request(ids, SamplingParams(max_new_tokens=8, temperature=1.0, seed=0),
+                                          drafter)])
 
     def metrics(self):
         C, G = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE
@@ -129,6 +142,7 @@ class TritonPythonModel:
         while self.running:
             self.admit(block=not self.engine.busy)
             self.expire()
+            self.active.set(len(self.jobs))
             if not self.engine.busy:
                 continue
             t0 = time.perf_counter()
@@ -142,7 +156,6 @@ class TritonPythonModel:
             self.steps.increment(1)
             for ev in events:
                 self.deliver(ev)
-            self.active.set(len(self.jobs))
 
     def admit(self, block):
         try:
