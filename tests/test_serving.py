@@ -160,8 +160,11 @@ def test_nan_temperature_and_non_utf8_bytes_are_refused(server):
 
 
 def test_seeded_sampling_is_reproducible(server):
+    # drafter none: with drafts, D-cut's and the router's timing-based choices change which
+    # uniforms verification draws, so a seed alone does not pin a speculative sample yet
     def run(seed):
-        return generate(server, text_input="hello there", max_tokens=20, temperature=0.9, seed=seed)[1]["text_output"]
+        return generate(server, text_input="hello there", max_tokens=20, temperature=0.9, seed=seed,
+                        drafter="none")[1]["text_output"]
     assert run(5) == run(5)
     assert run(5) != run(6)
 
