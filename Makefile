@@ -13,7 +13,7 @@ DATA   ?= build/data$(SUFFIX)
 DRAFTS ?= build/drafts$(SUFFIX)
 ENGINE ?= engines/default$(SUFFIX)
 
-.PHONY: setup target demo generate bench data drafts bench-drafts engines bench-engine serve stop test test-fast clean help
+.PHONY: setup target demo generate bench data drafts bench-drafts engines bench-engine serve stop perf soak test test-fast clean help
 
 help:
 	@echo "make demo    set up, fetch the default target, generate with speculative decoding, compare speed"
@@ -28,6 +28,8 @@ help:
 	@echo "make bench-engine  the engine at batch 1 (auto routing) and 16 in flight (D-cut on/off)"
 	@echo "make serve   start tritonserver with $(ENGINE) on 127.0.0.1 (HTTP 8000, gRPC 8001, metrics 8002)"
 	@echo "make stop    stop it"
+	@echo "make perf    perf_analyzer sweep of the served ensemble (auto vs none, D-cut on/off) -> build/perf"
+	@echo "make soak    32 streaming gRPC clients for 30 s against a fresh server: errors, leaks, memory"
 
 setup: $(VENV)/.installed
 
@@ -85,6 +87,12 @@ serve: setup
 
 stop:
 	$(VENV)/bin/angelspec stop
+
+perf: setup
+	$(VENV)/bin/angelspec perf --engine $(ENGINE) --prompts $(DATA)/heldout.jsonl --out build/perf$(SUFFIX)
+
+soak: setup
+	$(VENV)/bin/angelspec soak --engine $(ENGINE) --prompts $(DATA)/heldout.jsonl
 
 test: target
 	$(PY) -m pytest -q

@@ -89,7 +89,9 @@ def cmd_bench(args) -> int:
 def cmd_serve(args) -> int:
     from angelspec.builders import triton
 
-    repo = triton.write_repo(args.engine, args.repo, args.max_batch, args.max_queue, args.timeout)
+    dcut = {"on": True, "off": False, "engine": None}[args.dcut]
+    repo = triton.write_repo(args.engine, args.repo, args.max_batch, args.max_queue, args.timeout,
+                             dcut=dcut)
     proc = triton.start(repo, args.server, args.http_port, args.grpc_port, args.metrics_port)
     print(f"tritonserver {proc.pid} ready: HTTP 127.0.0.1:{args.http_port}, gRPC "
           f"127.0.0.1:{args.grpc_port}, metrics http://127.0.0.1:{args.metrics_port}/metrics "
@@ -197,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.set_defaults(fn=train.run)
 
     from angelspec.builders import build
+    from angelspec import perf
 
     e = sub.add_parser("build", help="build an engine folder: target + drafts, router, backend, "
                        "D-cut cost profile, checksums",
@@ -220,12 +223,26 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-batch", type=int, default=8, help="requests decoded together")
     sv.add_argument("--max-queue", type=int, default=32,
                     help="requests waiting beyond max-batch before new ones get 'busy, retry'")
-    sv.add_argument("--timeout", type=float, default=300.0, help="seconds a request may run")
+    sv.add_argument("--timeout", type=float, default=300.0,
+                    help="seconds a request may run (a client's shorter request timeout wins)")
+    sv.add_argument("--dcut", choices=["engine", "on", "off"], default="engine",
+                    help="D-cut: the engine's setting, on, or off (fixed draft lengths)")
     sv.set_defaults(fn=cmd_serve)
 
     st = sub.add_parser("stop", help="stop the tritonserver `angelspec serve` started")
     st.add_argument("--server", default="build/triton")
     st.set_defaults(fn=cmd_stop)
+
+    pf = sub.add_parser("perf", help="load-test the served ensemble with perf_analyzer (gRPC "
+                        "streaming, a concurrency sweep, D-cut on/off): CSV, PNG, speedup table",
+                        description=perf.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    perf.add_arguments(pf)
+    pf.set_defaults(fn=perf.run)
+
+    sk = sub.add_parser("soak", help="many streaming gRPC clients against a fresh server for a "
+                        "while: errors, leaked slots, memory", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    perf.add_soak_arguments(sk)
+    sk.set_defaults(fn=perf.run_soak)
 
     cl = sub.add_parser("client", help="send one prompt to the served ensemble (tritonclient)",
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)

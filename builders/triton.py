@@ -47,8 +47,9 @@ def install(dest: str | pathlib.Path = "build/triton") -> pathlib.Path:
 
 def write_repo(engine: str | pathlib.Path, out: str | pathlib.Path = "build/model_repo",
                max_batch: int = 8, max_queue: int = 32, request_timeout_s: float = 300.0,
-               decoupled: bool = True) -> pathlib.Path:
-    """Fill the templates in model_repo/ (never modified) into `out` for `engine`."""
+               decoupled: bool = True, dcut: bool | None = None) -> pathlib.Path:
+    """Fill the templates in model_repo/ (never modified) into `out` for `engine`; `dcut`
+    None keeps the engine's own setting, False serves fixed draft lengths."""
     from angelspec.runtime.engine_dir import read_manifest
 
     engine = pathlib.Path(engine).resolve()
@@ -56,7 +57,8 @@ def write_repo(engine: str | pathlib.Path, out: str | pathlib.Path = "build/mode
     out = pathlib.Path(out)
     values = {"engine_dir": str(engine), "max_batch_size": str(max_batch),
               "max_queue": str(max_queue), "request_timeout_s": str(request_timeout_s),
-              "decoupled_mode": "true" if decoupled else "false"}
+              "decoupled_mode": "true" if decoupled else "false",
+              "dcut": {None: "engine", True: "on", False: "off"}[dcut]}
     shutil.rmtree(out, ignore_errors=True)
     for model in MODELS:
         for f in (TEMPLATES / model).rglob("*"):
@@ -86,8 +88,9 @@ def environment(server: pathlib.Path) -> dict:
 
 def start(repo: str | pathlib.Path, server: str | pathlib.Path = "build/triton", http_port: int = 8000,
           grpc_port: int = 8001, metrics_port: int = 8002, log: str | pathlib.Path | None = None,
-          timeout: float = 300.0) -> subprocess.Popen:
-    """Start tritonserver on 127.0.0.1 and wait for /v2/health/ready (or fail with its log)."""
+          timeout: float = 300.0, record: bool = True) -> subprocess.Popen:
+    """Start tritonserver on 127.0.0.1 and wait for /v2/health/ready (or fail with its log).
+    `record`: note it in <server>/server.json for `stop` (the server of `angelspec serve`)."""
     server = install(server)
     log = pathlib.Path(log or pathlib.Path(server) / "server.log")
     cmd = [str(server / "bin" / "tritonserver"), "--model-repository", str(pathlib.Path(repo).resolve()),
@@ -106,8 +109,9 @@ def start(repo: str | pathlib.Path, server: str | pathlib.Path = "build/triton",
                                + log.read_text()[-4000:])
         try:
             if urllib.request.urlopen(url, timeout=2).status == 200:
-                (server / "server.json").write_text(json.dumps(
-                    {"pid": proc.pid, "http": http_port, "grpc": grpc_port, "metrics": metrics_port}))
+                if record:
+                    (server / "server.json").write_text(json.dumps(
+                        {"pid": proc.pid, "http": http_port, "grpc": grpc_port, "metrics": metrics_port}))
                 return proc
         except OSError:
             pass

@@ -92,6 +92,31 @@ def test_responses_are_the_targets_plain_greedy_continuations(built, default_tar
 
 
 @pytest.mark.slow
+def test_teacher_ids_are_the_targets_own_choices(built, default_target):
+    """teacher[j] is the target's argmax after position j: on the greedy responses it is the
+    generated token (bar bf16 near-ties); collate labels prompt tokens with it."""
+    from angelspec.training.train import collate
+
+    out, m = built
+    assert (out / "teacher-00000.safetensors").exists()
+    seqs = Sequences(out, layers=[m["layers"][0]], teacher=True)
+    agree = total = 0
+    for i in range(len(seqs)):
+        x = seqs[i]
+        p = x["prompt_len"]
+        agree += int((x["teacher"][p - 1:-1] == x["tokens"][p:]).sum())
+        total += len(x["tokens"]) - p
+    assert agree >= 0.95 * total
+    x = seqs[0]
+    tokens, label_ok, _, labels = collate([x], 512, [m["layers"][0]], prompt_labels=True)
+    p, n = x["prompt_len"], len(x["tokens"])
+    assert labels[0, 1:p].tolist() == x["teacher"][: p - 1].tolist()
+    assert labels[0, p:n].tolist() == x["tokens"][p:].tolist() and label_ok[0, 1:n].all()
+    _, label_ok, _, labels = collate([x], 512, [m["layers"][0]])
+    assert torch.equal(labels, tokens) and not label_ok[0, :p].any() and label_ok[0, p:n].all()
+
+
+@pytest.mark.slow
 def test_features_are_the_targets_hidden_states(built, default_target):
     out, m = built
     seqs, model = Sequences(out), default_target.model

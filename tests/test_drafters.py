@@ -13,7 +13,7 @@ from angelspec.drafters.target_layers import dfly_layers
 from angelspec.model import Segment
 from angelspec.runtime import Engine, Request, SamplingParams
 from angelspec.runtime.engine import RequestState
-from angelspec.training.objectives import block_hidden, greedy_chain, rollout
+from angelspec.training.objectives import block_hidden, greedy_chain, rollout, ttt_rollout
 from conftest import make_checkpoint
 
 
@@ -82,6 +82,31 @@ def test_ttt_rollout_feeds_own_tokens_from_step_2(target8):
     for step in (1, 2, 3, 4):  # base i reads t[i+1] and its own tokens only
         assert torch.allclose(base[step - 1][0, i], after[step - 1][0, i], atol=1e-5)
     assert not torch.allclose(base[0][0, i + 1], after[0][0, i + 1])  # t[i+2] does matter there
+
+
+def test_ttt_loss_over_labelled_bases_equals_the_loss_over_every_position(target8):
+    """ttt_rollout rolls out only from bases that have a label; nothing else changes."""
+    import torch.nn.functional as F
+
+    cfg, model = draft(target8, "mtp")
+    fz = Frozen(target8.model, model.vocab_ids)
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, 96, (2, 30), generator=g)
+    label_ok = torch.zeros(2, 30, dtype=torch.bool)
+    label_ok[0, 12:30], label_ok[1, 20:27] = True, True  # prompts of 12 and 20, padding after 27
+    h = torch.stack([features(target8, t.tolist(), [8])[8] for t in tokens])
+    loss, metrics = ttt_rollout(model, fz, tokens, label_ok, {8: h}, steps=4, draft_len=3)
+    full = rollout(model, fz, tokens, h, steps=4)  # every base position
+    losses, hits = [], []
+    for k, logits in enumerate(full, 1):
+        lab = torch.full((2, 29), -1)
+        lab[:, : 29 - k] = fz.index[tokens[:, k + 1:]]
+        ok = torch.zeros(2, 29, dtype=torch.bool)
+        ok[:, : 29 - k] = label_ok[:, k + 1:]
+        losses.append(F.cross_entropy(logits[ok], lab[ok]))
+        hits.append(float(((logits.argmax(-1) == lab) & ok).sum()) / int(ok.sum()))
+    torch.testing.assert_close(loss, sum(losses) / 4)
+    assert [metrics[f"acc{k}"] for k in (1, 2, 3, 4)] == pytest.approx(hits)
 
 
 @pytest.mark.parametrize("vocab", [0, 40])

@@ -49,7 +49,7 @@ def server(tmp_path_factory):
     ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
     log = root / "server.log"
     proc = triton.start(repo, root / "triton", ports["http"], ports["grpc"], ports["metrics"], log=log)
-    yield {"target": target, "engine": root / "engine", "log": log, **ports}
+    yield {"target": target, "engine": root / "engine", "log": log, "pid": proc.pid, **ports}
     proc.terminate()
     try:
         proc.wait(timeout=20)
@@ -216,12 +216,50 @@ def test_a_client_that_goes_away_frees_its_slot(server):
     c = grpcclient.InferenceServerClient(f"127.0.0.1:{server['grpc']}")
     c.start_stream(callback=lambda result, error: results.put((result, error)))
     c.async_stream_infer("ensemble", [tensor("text_input", b"def f(x):", object, "BYTES"),
-                                      tensor("max_tokens", 1500, np.int32, "INT32"),
+                                      tensor("max_tokens", 500, np.int32, "INT32"),
                                       tensor("stream", True, bool, "BOOL")])
-    results.get(timeout=60)  # the first chunk arrived: the request holds a slot
+    result, error = results.get(timeout=60)  # the first chunk arrived: the request holds a slot
+    assert error is None and in_flight(server) == 1
     c.stop_stream(cancel_requests=True)
     deadline = time.time() + 30
     while in_flight(server) > 0 and time.time() < deadline:
         time.sleep(0.5)
     assert in_flight(server) == 0
     assert generate(server, text_input="hello there", max_tokens=4)[0] == 200
+
+
+def test_a_request_past_its_timeout_is_ended_and_frees_its_slot(server):
+    """The client's own request timeout (shorter than the server's) ends a long generation with
+    a clear error; the slot is free again."""
+    import time
+
+    results: queue.Queue = queue.Queue()
+    c = grpcclient.InferenceServerClient(f"127.0.0.1:{server['grpc']}")
+    c.start_stream(callback=lambda result, error: results.put((result, error)))
+    t0 = time.time()
+    c.async_stream_infer("ensemble", [tensor("text_input", b"def f(x):", object, "BYTES"),
+                                      tensor("max_tokens", 500, np.int32, "INT32"),
+                                      tensor("stream", True, bool, "BOOL")], timeout=500_000)
+    error = None
+    while error is None:
+        result, error = results.get(timeout=60)
+        if error is None and result.get_response().parameters["triton_final_response"].bool_param:
+            break
+    c.stop_stream()
+    assert error is not None and "timed out after 0.5 s" in str(error), error
+    assert time.time() - t0 < 10
+    deadline = time.time() + 30
+    while in_flight(server) > 0 and time.time() < deadline:
+        time.sleep(0.5)
+    assert in_flight(server) == 0
+
+
+def test_soak_many_streaming_clients_no_errors_no_leaks(server):
+    """The soak of `make soak` (32 clients, 30 s, default engine), small: as many clients as the
+    server admits, a few seconds."""
+    from angelspec.perf import soak
+
+    r = soak(server["grpc"], server["metrics"], server["pid"], ["hello there", "def f(x):", "12 * 7 = ?"],
+             clients=4, seconds=6, max_tokens=24)
+    assert r["errors"] == [] and r["requests"] >= 4 and r["in_flight_after"] == 0, r
+    assert r["rss_end_mb"] < 1.25 * r["rss_mid_mb"], r

@@ -10,6 +10,8 @@ out_dir/
   shard-00000.safetensors       tokens int32 [T] (prompt then response ids, samples concatenated),
                                 offsets int64 [n+1], prompt_lens int32 [n], domains int8 [n]
   features-00000.safetensors    layer_{i} bf16 [T, hidden] for each i in manifest["layers"]
+  teacher-00000.safetensors     teacher int32 [T]: the target's own next-token choice after each
+                                position (labels for prompt tokens, where nothing was generated)
   manifest.json                 settings, finished shards, totals
 """
 from __future__ import annotations
@@ -23,6 +25,7 @@ import time
 from collections import Counter
 
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -119,6 +122,35 @@ def _features(model, seqs: list[list[int]], layers: list[int], cache,
     return {f"layer_{l}": torch.cat(v).contiguous() for l, v in feats.items()}
 
 
+def teacher_ids(model, h_last: torch.Tensor, chunk: int = 2048) -> torch.Tensor:
+    """The target's own next-token choice (argmax) after every position, from its cached last
+    hidden states [T, h] (bf16, so at a near-tie it can differ from the full-precision choice)."""
+    eps = model.cfg.rms_norm_eps
+    out = [F.linear(F.rms_norm(h_last[i: i + chunk].float(), (h_last.shape[-1],), model.norm, eps),
+                    model.lm_head).argmax(-1) for i in range(0, len(h_last), chunk)]
+    return torch.cat(out).to(torch.int32)
+
+
+def ensure_teachers(out_dir, target: Target, progress: bool = True) -> None:
+    """Write teacher-*.safetensors for every shard that lacks it (folders made before it
+    existed, or shards written by an older build)."""
+    from tqdm import tqdm
+
+    out = pathlib.Path(out_dir)
+    m = json.loads((out / "manifest.json").read_text())
+    last = f"layer_{target.config.num_layers}"
+    todo = [s for s in m["shards"] if not (out / teacher_file(s)).exists()]
+    for s in tqdm(todo, desc="teacher labels", unit="shard", disable=not progress or not todo):
+        with safe_open(str(out / s["features"]), "pt") as f:
+            h = f.get_tensor(last)
+        with torch.no_grad():
+            save_file({"teacher": teacher_ids(target.model, h)}, str(out / teacher_file(s)))
+
+
+def teacher_file(shard: dict) -> str:
+    return shard["features"].replace("features-", "teacher-")
+
+
 def _totals(shards: list[dict]) -> dict:
     s = lambda k: sum(x[k] for x in shards)  # noqa: E731
     by = {}
@@ -207,7 +239,9 @@ def build(target: Target, out_dir, counts: dict[str, int], heldout: int, max_new
                           generation_s=round(gen_s, 3), feature_s=round(feat_s, 3))
         _save(out, m, done)
     bar.close()
-    return _save(out, m, done)
+    m = _save(out, m, done)
+    ensure_teachers(out, target, progress)
+    return m
 
 
 def _save(out: pathlib.Path, m: dict, done: dict) -> dict:
@@ -222,9 +256,9 @@ def _save(out: pathlib.Path, m: dict, done: dict) -> dict:
 
 
 # -- reading ----------------------------------------------------------------------------------
-def load(out_dir, layers: list[int] | None = None) -> tuple[dict, list[dict]]:
+def load(out_dir, layers: list[int] | None = None, teacher: bool = False) -> tuple[dict, list[dict]]:
     """(manifest, shards): each shard's tensors, plus {"features": {layer: bf16 [T, h]}} for
-    `layers` (None: every cached layer, []: none)."""
+    `layers` (None: every cached layer, []: none) and, with `teacher`, the teacher ids."""
     out = pathlib.Path(out_dir)
     if not (out / "manifest.json").exists():
         raise FileNotFoundError(f"{out} has no manifest.json: run `angelspec data --out {out}` "
@@ -240,6 +274,10 @@ def load(out_dir, layers: list[int] | None = None) -> tuple[dict, list[dict]]:
         d = load_file(str(out / s["tokens"]))
         with safe_open(str(out / s["features"]), "pt") as f:
             d["features"] = {l: f.get_tensor(f"layer_{l}") for l in layers}
+        if teacher:
+            if not (out / teacher_file(s)).exists():
+                raise FileNotFoundError(f"{out / teacher_file(s)} is missing: ensure_teachers() makes it")
+            d["teacher"] = load_file(str(out / teacher_file(s)))["teacher"]
         shards.append(d)
     return m, shards
 
@@ -247,8 +285,8 @@ def load(out_dir, layers: list[int] | None = None) -> tuple[dict, list[dict]]:
 class Sequences:
     """Every sample of a data folder in memory: item i -> tokens, prompt_len, domain, features."""
 
-    def __init__(self, out_dir, layers: list[int] | None = None):
-        self.manifest, self.shards = load(out_dir, layers)
+    def __init__(self, out_dir, layers: list[int] | None = None, teacher: bool = False):
+        self.manifest, self.shards = load(out_dir, layers, teacher)
         self.index = [(k, j) for k, s in enumerate(self.shards) for j in range(len(s["domains"]))]
 
     def __len__(self) -> int:
@@ -265,8 +303,10 @@ class Sequences:
     def __getitem__(self, i: int) -> dict:
         item = self.ids(i)
         a, b = item.pop("span")
-        feats = self.shards[self.index[i][0]]["features"]
-        return dict(item, features={l: f[a:b].float() for l, f in feats.items()})
+        shard = self.shards[self.index[i][0]]
+        if "teacher" in shard:
+            item["teacher"] = shard["teacher"][a:b].long()
+        return dict(item, features={l: f[a:b].float() for l, f in shard["features"].items()})
 
 
 # -- command line -----------------------------------------------------------------------------

@@ -22,46 +22,71 @@ def leading(correct: torch.Tensor) -> torch.Tensor:
     return correct.int().cumprod(-1).sum(-1)
 
 
-def rollout(model, fz: Frozen, tokens, h_last, steps: int = 4) -> list[torch.Tensor]:
-    """MTP's training-time-test rollout: draft logits [S, T-1, Vd] of each step.
+def rollout(model, fz: Frozen, tokens, h_last, steps: int = 4, base=None) -> list[torch.Tensor]:
+    """MTP's training-time-test rollout: draft logits [S, W, Vd] of each step, from the base
+    positions `base` [S, W] (default: every position 0..T-2).
 
     Base position i: step 1 reads (embed(t[i+1]), target hidden h[i]) at position i; step k >= 2
     reads the draft's own previous output and its own stop-gradient argmax token at position
     i+k-1, attending to the real keys up to i plus the diagonal keys of the earlier steps, exactly
-    what serving sees after k-1 drafted tokens.
+    what serving sees after k-1 drafted tokens. Keys are computed at every position; queries,
+    the MLP and the lm_head only at the bases (training passes the bases that have labels).
     """
-    n = tokens.shape[1] - 1
-    x = model.inputs(fz.embed[tokens[:, 1:]], h_last[:, :-1])
+    S, n = tokens.shape[0], tokens.shape[1] - 1
+    layer = model.layer
     pos = torch.arange(n)
-    q, k_real, v_real = model.layer.qkv(x, *fz.rope_tables(pos))
-    causal = pos[:, None] >= pos[None, :]
-    o = model.layer.finish(x, attend(q, k_real, v_real, causal))
+    if base is None:
+        base = pos.expand(S, n)
+    x = model.inputs(fz.embed[tokens[:, 1:]], h_last[:, :-1])
+    xn = layer.in_norm(x)
+    k_real, v_real = layer.kv(xn, *fz.rope_tables(pos))
+    rows = base[..., None].expand(-1, -1, x.shape[-1])
+    x, xn = x.gather(1, rows), xn.gather(1, rows)
+    causal = (base[..., None] >= pos)[:, None, None]  # [S, 1, 1, W, n]
+    o = layer.finish(x, attend(layer.q(xn, *fz.rope_tables(base)), k_real, v_real, causal))
     out, extra = [fz.logits(o)], []
     for step in range(2, steps + 1):
         prev = fz.vocab_ids[out[-1].argmax(-1)].detach()
         x = model.inputs(fz.embed[prev], o)
-        q, ks, vs = model.layer.qkv(x, *fz.rope_tables(pos + step - 1))
+        q, ks, vs = layer.qkv(x, *fz.rope_tables(base + step - 1))
         extra.append((ks, vs))
-        o = model.layer.finish(x, attend(q, k_real, v_real, causal, tuple(extra)))
+        o = layer.finish(x, attend(q, k_real, v_real, causal, tuple(extra)))
         out.append(fz.logits(o))
     return out
 
 
-def ttt_rollout(model, fz: Frozen, tokens, label_ok, feats, steps: int = 4, draft_len: int = 3):
-    """MTP loss (ALGORITHMS.md section 1): the label of step k at base i is always t[i+k+1],
-    even after the draft's own tokens diverged; the loss is the mean of the step losses."""
-    S, T = tokens.shape
+def label_bases(label_ok: torch.Tensor, steps: int):
+    """The base positions [S, W] whose rollout has at least one label (step k at base i is
+    labelled by token i+k+1), one window per sequence, and which of them are real [S, W]."""
+    S, T = label_ok.shape
     n = T - 1
-    all_logits = rollout(model, fz, tokens, feats[model.cfg.target_num_layers], steps)
+    idx = torch.arange(T)
+    first = torch.where(label_ok, idx, T).min(1).values
+    last = torch.where(label_ok, idx, -1).max(1).values
+    lo = (first - steps - 1).clamp(min=0)
+    hi = (last - 2).clamp(max=n - 1)  # step 1 is the last to reach token `last`, from last-2
+    width = max(1, int((hi - lo + 1).max()))
+    raw = lo[:, None] + torch.arange(width)
+    return raw.clamp(max=n - 1), raw <= hi[:, None]
+
+
+def ttt_rollout(model, fz: Frozen, tokens, label_ok, feats, steps: int = 4, draft_len: int = 3,
+                labels=None):
+    """MTP loss (ALGORITHMS.md section 1): the label of step k at base i is always t[i+k+1],
+    even after the draft's own tokens diverged; the loss is the mean of the step losses.
+    `labels` [S, T]: the target's token at each position (default: `tokens`)."""
+    T = tokens.shape[1]
+    labels = tokens if labels is None else labels
+    base, real = label_bases(label_ok, steps)
+    all_logits = rollout(model, fz, tokens, feats[model.cfg.target_num_layers], steps, base)
     losses, hits, oks = [], [], []
     for step, logits in enumerate(all_logits, 1):
-        # label t[i+step+1] for base i: shift the tokens, pad the tail as invalid
-        lab = torch.full((S, n), -1, dtype=torch.long)
-        ok = torch.zeros(S, n, dtype=torch.bool)
-        if step + 1 < T:
-            lab[:, : T - step - 1] = fz.index[tokens[:, step + 1:]]
-            ok[:, : T - step - 1] = label_ok[:, step + 1:]
-        ok &= lab >= 0
+        # label t[i+step+1] for base i; past the end of the sequence there is none
+        at = base + step + 1
+        inside = real & (at < T)
+        at = at.clamp(max=T - 1)
+        lab = fz.index[labels.gather(1, at)]
+        ok = inside & label_ok.gather(1, at) & (lab >= 0)
         oks.append(ok)
         losses.append(F.cross_entropy(logits[ok], lab[ok]) if ok.any() else logits.sum() * 0)
         hits.append((logits.argmax(-1) == lab) & ok)
@@ -124,7 +149,7 @@ def greedy_chain(model, fz: Frozen, hidden, anchor_tok) -> torch.Tensor:
 
 
 def block_objective(model, fz: Frozen, tokens, label_ok, feats, anchors, valid, loss: str = "ce",
-                    gamma: float = 4.0, greedy_eval: bool = False):
+                    gamma: float = 4.0, greedy_eval: bool = False, labels=None):
     """DFly/DFlash with the multi-anchor block mask: every anchor a makes one block
     [t[a], MASK...] at positions a..a+B-1 that sees the context strictly before a and itself.
 
@@ -132,16 +157,20 @@ def block_objective(model, fz: Frozen, tokens, label_ok, feats, anchors, valid, 
     loss "tv": end-to-end TV, 1 - mean_j prod_{i<=j} alpha_i with alpha = sum_x min(p, q), p the
     target's distribution (over the draft vocabulary) and q the draft's.
     greedy_eval: chain the AR head on the draft's own argmax (serving) instead of teacher forcing.
+    labels [S, T]: the target's token at each position (default: `tokens`); the AR head is
+    teacher-forced on them after the anchor.
     """
+    labels = tokens if labels is None else labels
     cfg = model.cfg
     B = cfg.block_size
     S, T = tokens.shape
     hidden = block_hidden(model, fz, tokens, feats, anchors)
     safe = (anchors[..., None] + torch.arange(B)).clamp(max=T - 1)
-    labels_tok = tokens.gather(1, safe[..., 1:].flatten(1)).view(S, -1, B - 1)
-    lab = fz.index[labels_tok]
+    lab = fz.index[labels.gather(1, safe[..., 1:].flatten(1)).view(S, -1, B - 1)]
     ok = valid[..., None] & (lab >= 0)
-    prev_tok = tokens.gather(1, safe[..., :-1].flatten(1)).view(S, -1, B - 1)  # teacher forcing
+    # teacher forcing: the anchor token, then the labels before each link
+    prev_tok = labels.gather(1, safe[..., :-1].flatten(1)).view(S, -1, B - 1)
+    prev_tok[..., 0] = tokens.gather(1, anchors)
     if greedy_eval and cfg.ar_head:
         pred, logits = greedy_chain(model, fz, hidden, tokens.gather(1, anchors)), None
     else:

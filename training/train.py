@@ -76,8 +76,11 @@ def load_recipe(name: str, preset: str | None = None, overrides: list[str] = ())
 
 
 # -- data ------------------------------------------------------------------------------------
-def collate(items: list[dict], max_len: int, layers: list[int]):
-    """Pad sequences to the longest (cut at max_len): tokens [S, T], label_ok [S, T], features."""
+def collate(items: list[dict], max_len: int, layers: list[int], prompt_labels: bool = False):
+    """Pad sequences to the longest (cut at max_len): tokens [S, T], label_ok [S, T], features,
+    labels [S, T]. labels[s, j] is the target's token at position j: the generated token in the
+    response and, with `prompt_labels`, the target's own choice after position j-1 in the prompt
+    (its teacher id), so prompt tokens train the draft too."""
     T = min(max_len, max(len(it["tokens"]) for it in items))
     S, h = len(items), items[0]["features"][layers[0]].shape[-1]
     tokens = torch.zeros(S, T, dtype=torch.long)
@@ -86,10 +89,15 @@ def collate(items: list[dict], max_len: int, layers: list[int]):
     for s, it in enumerate(items):
         n = min(T, len(it["tokens"]))
         tokens[s, :n] = it["tokens"][:n]
-        label_ok[s, it["prompt_len"]:n] = True
+        label_ok[s, 1 if prompt_labels else it["prompt_len"]:n] = True
         for l in layers:
             feats[l][s, :n] = it["features"][l][:n]
-    return tokens, label_ok, feats
+    labels = tokens.clone()
+    if prompt_labels:
+        for s, it in enumerate(items):
+            p = min(T, it["prompt_len"])
+            labels[s, 1:p] = it["teacher"][: p - 1]
+    return tokens, label_ok, feats, labels
 
 
 def draft_vocab(seqs, indices: list[int], size: int, vocab_size: int, keep: list[int]) -> torch.Tensor:
@@ -148,13 +156,13 @@ class Objective(torch.nn.Module):
         super().__init__()
         self.model, self.fz, self.recipe = model, fz, recipe
 
-    def forward(self, tokens, label_ok, feats, anchors=None, valid=None, loss="ce"):
+    def forward(self, tokens, label_ok, feats, labels, anchors=None, valid=None, loss="ce"):
         r = self.recipe
         if r["kind"] == "mtp":
             return ttt_rollout(self.model, self.fz, tokens, label_ok, feats, r["ttt_steps"],
-                               r["draft_len"])
+                               r["draft_len"], labels)
         return block_objective(self.model, self.fz, tokens, label_ok, feats, anchors, valid,
-                               loss=loss, gamma=r["gamma"])
+                               loss=loss, gamma=r["gamma"], labels=labels)
 
 
 def evaluate(model, fz, recipe, seqs, indices, layers) -> dict:
@@ -163,8 +171,9 @@ def evaluate(model, fz, recipe, seqs, indices, layers) -> dict:
     totals, weight = {}, 0
     with torch.no_grad():
         for i in range(0, len(indices), recipe["batch_size"]):
+            # held-out metrics on generated tokens only: what serving drafts
             batch = collate([seqs[j] for j in indices[i: i + recipe["batch_size"]]],
-                            recipe["max_seq_len"], layers)
+                            recipe["max_seq_len"], layers)[:3]
             if recipe["kind"] == "mtp":
                 _, m = ttt_rollout(model, fz, *batch, recipe["ttt_steps"], recipe["draft_len"])
             else:
@@ -182,7 +191,7 @@ def evaluate(model, fz, recipe, seqs, indices, layers) -> dict:
 def train(recipe: dict, target, progress: bool = True, restart: bool = False) -> dict:
     from tqdm import tqdm
 
-    from angelspec.training.data import DOMAINS, Sequences
+    from angelspec.training.data import DOMAINS, Sequences, ensure_teachers
 
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     if world > 1 and not dist.is_initialized():
@@ -192,7 +201,9 @@ def train(recipe: dict, target, progress: bool = True, restart: bool = False) ->
     out = pathlib.Path(recipe["out"])
     cfg = draft_config(recipe, target)
     layers = sorted(set(cfg.target_layers) | {target.config.num_layers})
-    seqs = Sequences(recipe["data"], layers=layers)
+    if recipe.get("prompt_labels"):
+        ensure_teachers(recipe["data"], target, progress and rank == 0)
+    seqs = Sequences(recipe["data"], layers=layers, teacher=bool(recipe.get("prompt_labels")))
     unknown = set(recipe["domains"]) - set(DOMAINS)
     if unknown:
         raise ValueError(f"unknown domains {sorted(unknown)} (known: {', '.join(DOMAINS)})")
@@ -271,7 +282,8 @@ def train(recipe: dict, target, progress: bool = True, restart: bool = False) ->
         perm = torch.randperm(len(train_idx), generator=torch.Generator().manual_seed(
             recipe["seed"] * 1000 + epoch))
         mine = [train_idx[int(j)] for j in perm[k * per_step: (k + 1) * per_step][rank::world]]
-        tokens, label_ok, feats = collate([seqs[i] for i in mine], recipe["max_seq_len"], layers)
+        tokens, label_ok, feats, labels = collate([seqs[i] for i in mine], recipe["max_seq_len"],
+                                                  layers, bool(recipe.get("prompt_labels")))
         extra = {}
         if cfg.kind != "mtp":
             g = torch.Generator().manual_seed(recipe["seed"] * 7919 + step * 31 + rank)
@@ -280,7 +292,7 @@ def train(recipe: dict, target, progress: bool = True, restart: bool = False) ->
             extra["loss"] = "tv" if step >= tv_from else "ce"
         for group in opt.param_groups:
             group["lr"] = recipe["lr"] * cosine_lr(step, total, recipe["warmup"])
-        loss, metrics = wrapped(tokens, label_ok, feats, **extra)
+        loss, metrics = wrapped(tokens, label_ok, feats, labels, **extra)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), recipe["grad_clip"])

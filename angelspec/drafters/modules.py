@@ -69,10 +69,13 @@ class DecoderLayer(nn.Module):
         """Keys and values of already-normed inputs x [..., T, h] -> [..., Hkv, T, hd] each."""
         return rope(self.heads(self.k_proj(x), self.nkv), cos, sin), self.heads(self.v_proj(x), self.nkv)
 
+    def q(self, xn: torch.Tensor, cos, sin) -> torch.Tensor:
+        """Queries of already-normed inputs x [..., T, h] -> [..., H, T, hd]."""
+        return rope(self.heads(self.q_proj(xn), self.nq), cos, sin)
+
     def qkv(self, x: torch.Tensor, cos, sin):
         xn = self.in_norm(x)
-        q = rope(self.heads(self.q_proj(xn), self.nq), cos, sin)
-        return (q, *self.kv(xn, cos, sin))
+        return (self.q(xn, cos, sin), *self.kv(xn, cos, sin))
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """attn [..., H, T, hd] -> the layer's output hidden state [..., T, h]."""

@@ -200,6 +200,17 @@ class Engine:
         return list(dict.fromkeys([s.drafter] + [c for c in self.router.candidates
                                                  if self.available(c)]))
 
+    def warm_up(self, drafters: list[str] | None = None) -> None:
+        """Pay every first-use cost now (drafts loaded, custom ops dispatched, kernels touched):
+        a short greedy and a short sampled request with each drafter (default: the engine's
+        default and none). A server does this before it says it is ready; a benchmark before it
+        times anything."""
+        ids = self.target.tokenizer.encode("Hello, world. Hello, world.", add_special_tokens=False) or [0]
+        for name in drafters or dict.fromkeys([getattr(self, "default_drafter", "none"), "none"]):
+            for params in (SamplingParams(max_new_tokens=8),
+                           SamplingParams(max_new_tokens=8, temperature=1.0, seed=0)):
+                self.generate([Request(ids, params, name)])
+
     def generate(self, requests: list[Request]) -> list[Result]:
         tokens: list[list[int]] = [[] for _ in requests]
         results: list[Result | None] = [None] * len(requests)

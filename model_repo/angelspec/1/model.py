@@ -3,7 +3,8 @@ step (continuous batching); every step's tokens stream out as they are committed
 
 One worker thread owns the engine. `execute` only validates and queues. More requests than
 max_batch_size + max_queue get a "busy, retry" error instead of an unbounded queue; a request past
-request_timeout_s, or whose client went away, is ended and its slot freed at the next step.
+its timeout (request_timeout_s, or the client's own request timeout if shorter), or whose client
+went away, is ended and its slot freed at the next step.
 """
 import json
 import queue
@@ -30,8 +31,8 @@ def _scalar(request, name, default):
 class Job:
     """One request in flight: its sender, streaming mode, deadline, and what is not sent yet."""
 
-    def __init__(self, sender, stream, deadline):
-        self.sender, self.stream, self.deadline = sender, stream, deadline
+    def __init__(self, sender, stream, deadline, limit):
+        self.sender, self.stream, self.deadline, self.limit = sender, stream, deadline, limit
         self.held: list[int] = []  # committed tokens not sent yet (end inside a character)
         self.tokens: list[int] = []
 
@@ -45,9 +46,10 @@ class TritonPythonModel:
         self.max_batch = int(p["max_batch_size"])
         self.capacity = self.max_batch + int(p["max_queue"])
         self.timeout = float(p["request_timeout_s"])
-        self.engine = load_engine(p["engine_dir"], max_batch=self.max_batch, max_len=2048)
+        dcut = {"on": True, "off": False}.get(p.get("dcut", ""))  # else: the engine's default
+        self.engine = load_engine(p["engine_dir"], max_batch=self.max_batch, max_len=2048, dcut=dcut)
         self.tok = self.engine.target.tokenizer
-        self.warm_up()
+        self.engine.warm_up()  # ready means ready: the first request took ~50 s without it
         self.inbox: queue.Queue = queue.Queue()
         self.jobs: dict[int, Job] = {}
         self.lock = threading.Lock()
@@ -56,18 +58,6 @@ class TritonPythonModel:
         self.metrics()
         self.worker = threading.Thread(target=self.loop, daemon=True)
         self.worker.start()
-
-    def warm_up(self):
-        """Pay every first-use cost (drafts loaded, custom ops dispatched, kernels touched) while
-        the model loads, so the server is ready when it says so (the first request took ~50 s
-        without this)."""
-        from angelspec.runtime import Request, SamplingParams
-
-        ids = self.tok.encode("Hello, world. Hello, world.", add_special_tokens=False) or [0]
-        for drafter in (self.engine.default_drafter, "none"):
-            self.engine.generate([Request(ids, SamplingParams(max_new_tokens=8), drafter)])
-            self.engine.generate([Request(ids, SamplingParams(max_new_tokens=8, temperature=1.0, seed=0),
-                                          drafter)])
 
     def metrics(self):
         C, G = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE
@@ -78,10 +68,13 @@ class TritonPythonModel:
         self.m_steps = pb_utils.MetricFamily("angelspec_steps_total", "speculative steps run", C)
         self.m_latency = pb_utils.MetricFamily("angelspec_step_seconds",
                                                "latency of the last engine step", G)
+        self.m_time = pb_utils.MetricFamily("angelspec_step_seconds_total",
+                                            "time spent in engine steps", C)
         self.m_active = pb_utils.MetricFamily("angelspec_requests_in_flight",
                                               "requests admitted and not finished", G)
         self.steps = self.m_steps.Metric(labels={})
         self.latency = self.m_latency.Metric(labels={})
+        self.step_time = self.m_time.Metric(labels={})
         self.active = self.m_active.Metric(labels={})
         self.per_drafter = {}
 
@@ -134,7 +127,9 @@ class TritonPythonModel:
                     continue
                 self.next_id += 1
                 rid = self.next_id
-            self.inbox.put((rid, req, Job(sender, stream, time.time() + self.timeout)))
+            asked = request.timeout() / 1e6  # the client's request timeout (us); 0 = none
+            limit = min(self.timeout, asked) if asked > 0 else self.timeout
+            self.inbox.put((rid, req, Job(sender, stream, time.time() + limit, limit)))
         return None
 
     # -- the worker -----------------------------------------------------------------------------
@@ -152,7 +147,9 @@ class TritonPythonModel:
                 for rid in list(self.jobs):
                     self.fail(rid, f"engine error: {exc}")
                 continue
-            self.latency.set(time.perf_counter() - t0)
+            dt = time.perf_counter() - t0
+            self.latency.set(dt)
+            self.step_time.increment(dt)
             self.steps.increment(1)
             for ev in events:
                 self.deliver(ev)
@@ -182,7 +179,7 @@ class TritonPythonModel:
                 self.engine.cancel(rid)
                 del self.jobs[rid]
             elif now > job.deadline:
-                self.fail(rid, f"request timed out after {self.timeout:.0f} s")
+                self.fail(rid, f"request timed out after {job.limit:g} s")
 
     def fail(self, rid, message):
         self.engine.cancel(rid)

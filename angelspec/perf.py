@@ -1,0 +1,420 @@
+"""`angelspec perf` / `make perf`: load-test the served ensemble with perf_analyzer.
+
+For each D-cut setting a tritonserver is started on free ports with the engine; perf_analyzer
+(from tritonclient[all]==2.51.0) drives the ensemble over gRPC with streaming at each concurrency,
+with held-out prompts as input data, and exports every request's timestamps and streamed outputs.
+From those: output tokens/s (the streamed text re-tokenized), time to first token and inter-token
+latency p50/p99. The same prompts also run in-process, one at a time with the same engine, so the
+server's own overhead is measured in the same run. Writes perf.csv, perf.png and perf.json.
+"""
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+import pathlib
+import socket
+import subprocess
+import time
+import urllib.request
+
+import numpy as np
+
+FIELDS = ["dcut", "drafter", "concurrency", "requests", "output_tok_s", "ttft_p50_ms",
+          "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "step_ms", "accept_rate"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def perf_analyzer_env(folder: pathlib.Path) -> dict:
+    """perf_analyzer needs libb64.so.0d and libcudart.so.12, which nvidia-pytriton ships under
+    hashed names (ENVIRONMENT.md): link them into `folder` and put it on LD_LIBRARY_PATH."""
+    import os
+
+    from angelspec.builders.triton import _pytriton
+
+    libs = _pytriton().parent / "nvidia_pytriton.libs"
+    folder.mkdir(parents=True, exist_ok=True)
+    for stem, name in (("libb64-", "libb64.so.0d"), ("libcudart-", "libcudart.so.12")):
+        found = sorted(libs.glob(stem + "*"))
+        if not found:
+            raise FileNotFoundError(f"{stem}* not found in {libs}: reinstall nvidia-pytriton==0.7.0")
+        link = folder / name
+        if not link.exists():
+            link.symlink_to(found[0])
+    env = dict(os.environ)
+    env["LD_LIBRARY_PATH"] = ":".join([str(folder), env.get("LD_LIBRARY_PATH", "")]).rstrip(":")
+    return env
+
+
+def perf_analyzer_bin() -> str:
+    import shutil
+    import sys
+
+    exe = pathlib.Path(sys.executable).parent / "perf_analyzer"
+    found = str(exe) if exe.exists() else shutil.which("perf_analyzer")
+    if not found:
+        raise FileNotFoundError("perf_analyzer not found: pip install 'tritonclient[all]==2.51.0'")
+    return found
+
+
+def write_inputs(path: pathlib.Path, prompts: list[str], drafter: str, max_tokens: int) -> None:
+    rows = [{"text_input": [p], "max_tokens": [max_tokens], "stream": [True], "drafter": [drafter]}
+            for p in prompts]
+    path.write_text(json.dumps({"data": rows}))
+
+
+def _text(value) -> str:
+    if isinstance(value, dict):  # {"b64": ...} in some exports
+        import base64
+        return base64.b64decode(value.get("b64", "")).decode("utf-8", "replace")
+    return value if isinstance(value, str) else str(value)
+
+
+def summarize(export: pathlib.Path, count_tokens) -> dict:
+    """perf_analyzer's profile export -> throughput and latency percentiles of one experiment."""
+    exp = json.loads(export.read_text())["experiments"][-1]
+    reqs = [r for r in exp["requests"] if r.get("response_timestamps")]
+    if not reqs:
+        raise RuntimeError(f"{export}: no request got a response")
+    tokens, ttft, itl, ends = 0, [], [], []
+    for r in reqs:
+        ts = r["response_timestamps"]
+        text = "".join(_text(o.get("text_output", "")) for o in r.get("response_outputs", []))
+        n = count_tokens(text)
+        tokens += n
+        ttft.append((ts[0] - r["timestamp"]) / 1e6)
+        if n > 1 and len(ts) > 1:
+            itl.append((ts[-1] - ts[0]) / 1e6 / (n - 1))
+        ends.append(ts[-1])
+    span = (max(ends) - min(r["timestamp"] for r in reqs)) / 1e9
+    pct = lambda xs, q: round(float(np.percentile(xs, q)), 2) if xs else None  # noqa: E731
+    return {"requests": len(reqs), "output_tok_s": round(tokens / span, 2),
+            "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99),
+            "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99)}
+
+
+def server_counters(metrics_port: int) -> dict:
+    """The engine's own counters from the metrics port: steps, step time, drafted, accepted."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    out = {"steps": 0.0, "step_s": 0.0, "drafted": 0.0, "accepted": 0.0}
+    names = {"angelspec_steps_total": "steps", "angelspec_step_seconds_total": "step_s",
+             "angelspec_draft_tokens_total": "drafted", "angelspec_accepted_tokens_total": "accepted"}
+    for line in text.splitlines():
+        name = line.split("{")[0].split(" ")[0]
+        if name in names:
+            out[names[name]] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def run_point(grpc_port: int, metrics_port: int, inputs: pathlib.Path, concurrency: int,
+              export: pathlib.Path, requests: int, env: dict, count_tokens, log) -> dict:
+    """One perf_analyzer measurement: `requests` requests (a fixed count: time windows rarely
+    stabilise on this noisy 2-core machine when a request takes seconds) at `concurrency`."""
+    before = server_counters(metrics_port)
+    export.unlink(missing_ok=True)  # perf_analyzer refuses to overwrite it
+    cmd = [perf_analyzer_bin(), "-m", "ensemble", "-i", "grpc", "--streaming",
+           "-u", f"127.0.0.1:{grpc_port}", "--input-data", str(inputs),
+           "--concurrency-range", f"{concurrency}:{concurrency}",
+           "--request-count", str(requests), "--profile-export-file", str(export)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    log.write(" ".join(cmd) + "\n" + done.stdout + done.stderr + "\n")
+    log.flush()
+    if done.returncode != 0:
+        raise RuntimeError(f"perf_analyzer failed ({done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    after = server_counters(metrics_port)
+    d = {k: after[k] - before[k] for k in after}
+    row = summarize(export, count_tokens)
+    row["step_ms"] = round(1e3 * d["step_s"] / d["steps"], 2) if d["steps"] else None
+    row["accept_rate"] = round(d["accepted"] / d["drafted"], 3) if d["drafted"] else None
+    return row
+
+
+def in_process(engine, prompt_ids: list[list[int]], drafter: str, max_tokens: int, count_tokens) -> dict:
+    """The same requests one at a time through the engine in this process, stepped exactly as
+    the served model's worker steps it: output tokens/s (counted as for the served text) and
+    mean step time."""
+    from angelspec.runtime import Request, SamplingParams
+
+    tokens, steps, step_s, t0 = 0, 0, 0.0, time.perf_counter()
+    for i, ids in enumerate(prompt_ids):
+        engine.submit(Request(ids, SamplingParams(max_new_tokens=max_tokens), drafter), i)
+        out = []
+        while engine.busy:
+            t = time.perf_counter()
+            events = engine.step()
+            step_s += time.perf_counter() - t
+            steps += 1
+            out += [tok for e in events for tok in e.tokens]
+        tokens += count_tokens(engine.target.decode(out))
+    return {"output_tok_s": round(tokens / (time.perf_counter() - t0), 2),
+            "step_ms": round(1e3 * step_s / steps, 2)}
+
+
+def plot(rows: list[dict], path: pathlib.Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    panels = [("output_tok_s", None, "output tokens/s"), ("ttft_p50_ms", "ttft_p99_ms", "time to first token (ms)"),
+              ("itl_p50_ms", "itl_p99_ms", "inter-token latency (ms)")]
+    series = sorted({(r["drafter"], r["dcut"]) for r in rows if r["concurrency"]})
+    for ax, (p50, p99, title) in zip(axes, panels):
+        for drafter, dcut in series:
+            pts = sorted((r["concurrency"], r[p50], r[p99] if p99 else None) for r in rows
+                         if r["drafter"] == drafter and r["dcut"] == dcut and r["concurrency"])
+            label = drafter if drafter == "none" else f"{drafter}, D-cut {dcut}"
+            line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{label} p50" if p99 else label)
+            if p99:
+                ax.plot([p[0] for p in pts], [p[2] for p in pts], ls="--", color=line.get_color(),
+                        label=f"{label} p99")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency (requests in flight)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def speedup_table(rows: list[dict]) -> str:
+    """Markdown: output tokens/s per configuration and the speedup over `none` per concurrency."""
+    by = {(r["drafter"], r["dcut"], r["concurrency"]): r for r in rows if r["concurrency"]}
+    levels = sorted({k[2] for k in by})
+    configs = sorted({(d, c) for d, c, _ in by if d != "none"})
+    head = "| concurrency | none tok/s | " + " | ".join(f"{d} D-cut {c}" for d, c in configs) + " |"
+    lines = [head, "|" + "---:|" * (2 + len(configs))]
+    for n in levels:
+        base = by.get(("none", "on", n)) or by.get(("none", "off", n))
+        cells = []
+        for d, c in configs:
+            r = by.get((d, c, n))
+            if r is None or base is None:
+                cells.append("-")
+            else:
+                cells.append(f"{r['output_tok_s']:.1f} ({r['output_tok_s'] / base['output_tok_s']:.2f}x)")
+        lines.append(f"| {n} | {base['output_tok_s']:.1f} | " + " | ".join(cells) + " |" if base else f"| {n} | - |")
+    return "\n".join(lines)
+
+
+def sweep(engine_dir: str, prompts: list[str], drafters: list[str], dcuts: list[str],
+          concurrencies: list[int], max_tokens: int, out: pathlib.Path, min_requests: int,
+          server_dir: str = "build/triton") -> dict:
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    from angelspec.builders import triton
+    from angelspec.runtime import load_engine
+
+    out.mkdir(parents=True, exist_ok=True)
+    env = perf_analyzer_env(out / "libs")
+    tok = AutoTokenizer.from_pretrained(str(pathlib.Path(engine_dir) / "target"))
+    count = lambda text: len(tok.encode(text, add_special_tokens=False)) if text else 0  # noqa: E731
+    prompt_ids = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=True,
+                                          add_generation_prompt=True)
+                  if tok.chat_template else tok.encode(p, add_special_tokens=False) for p in prompts]
+    served_by = {dcut: [d for d in drafters if d != "none" or dcut == dcuts[0]] for dcut in dcuts}
+    rows, overhead = [], {}
+    log = (out / "perf_analyzer.log").open("w")
+    bar = tqdm(total=sum(len(v) for v in served_by.values()) * len(concurrencies), desc="perf", unit="point")
+    for dcut, mine in served_by.items():
+        ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
+        repo = triton.write_repo(engine_dir, out / f"repo-dcut-{dcut}", max_batch=max(concurrencies),
+                                 max_queue=max(concurrencies), dcut=dcut == "on")
+        proc = triton.start(repo, server_dir, ports["http"], ports["grpc"], ports["metrics"],
+                            log=out / f"server-dcut-{dcut}.log", record=False)
+        try:
+            engine = load_engine(engine_dir, max_batch=max(concurrencies), dcut=dcut == "on")
+            engine.warm_up(mine)  # as the server did before it said it was ready
+            for n in concurrencies:  # drafters take turns at each level: drift hits both alike
+                for d in mine:
+                    inputs = out / f"inputs-{d}.json"
+                    write_inputs(inputs, prompts, d, max_tokens)
+                    row = run_point(ports["grpc"], ports["metrics"], inputs, n,
+                                    out / f"export-{dcut}-{d}-{n}.json", max(min_requests, 2 * n),
+                                    env, count, log)
+                    rows.append({"dcut": dcut, "drafter": d, "concurrency": n, **row})
+                    if n == 1:  # the same requests in-process, right after: the server's overhead
+                        local = in_process(engine, prompt_ids[:min_requests], d, max_tokens, count)
+                        overhead[f"{d}, D-cut {dcut}"] = {
+                            "served_tok_s": row["output_tok_s"], "in_process_tok_s": local["output_tok_s"],
+                            "served_step_ms": row["step_ms"], "in_process_step_ms": local["step_ms"]}
+                    bar.update(1)
+            del engine
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    bar.close()
+    with (out / "perf.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: r.get(k) for k in FIELDS})
+    plot(rows, out / "perf.png")
+    result = {"engine": engine_dir, "max_tokens": max_tokens, "prompts": len(prompts),
+              "min_requests": min_requests, "rows": rows, "overhead": overhead}
+    (out / "perf.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+# -- soak: many streaming clients for a while ------------------------------------------------
+def server_rss_mb(pid: int) -> float:
+    """Resident memory of a server and everything in its process group (the backend stubs)."""
+    import os
+
+    pgid, total = os.getpgid(pid), 0
+    for d in pathlib.Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if os.getpgid(int(d.name)) != pgid:
+                continue
+            status = (d / "status").read_text()
+        except (OSError, ProcessLookupError):
+            continue
+        total += next((int(l.split()[1]) for l in status.splitlines() if l.startswith("VmRSS:")), 0)
+    return total / 1024
+
+
+def soak(grpc_port: int, metrics_port: int, server_pid: int, prompts: list[str], clients: int = 32,
+         seconds: float = 30.0, max_tokens: int = 64, drafter: str | None = None) -> dict:
+    """`clients` streaming gRPC clients in a bounded loop for `seconds`: each sends a request,
+    reads its stream to the final response and sends the next. Returns the requests finished,
+    the errors, the engine's requests in flight afterwards (leaked slots) and the server's
+    memory after the first half and at the end."""
+    import queue
+    import threading
+
+    import tritonclient.grpc as grpc
+
+    from angelspec.client import inputs
+
+    deadline = time.time() + seconds
+    done, errors, lock = [0], [], threading.Lock()
+
+    def client(k: int) -> None:
+        results: queue.Queue = queue.Queue()
+        c = grpc.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+        c.start_stream(callback=lambda result, error: results.put((result, error)))
+        i = k
+        while time.time() < deadline:
+            c.async_stream_infer("ensemble", inputs(grpc, prompts[i % len(prompts)], max_tokens, True,
+                                                    drafter, 0.0, None))
+            i += clients
+            while True:
+                try:
+                    result, error = results.get(timeout=300)
+                except queue.Empty:
+                    error = "no response for 300 s"
+                if error is not None:
+                    with lock:
+                        errors.append(str(error))
+                    break
+                if result.get_response().parameters["triton_final_response"].bool_param:
+                    with lock:
+                        done[0] += 1
+                    break
+        c.stop_stream()
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
+    for t in threads:
+        t.start()
+    time.sleep(seconds / 2)
+    rss_mid = server_rss_mb(server_pid)
+    for t in threads:
+        t.join()
+    time.sleep(1.0)  # the final step's bookkeeping
+    c = server_counters(metrics_port)
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    in_flight = next((float(l.split()[-1]) for l in text.splitlines()
+                      if l.startswith("angelspec_requests_in_flight")), 0.0)
+    return {"clients": clients, "seconds": seconds, "requests": done[0], "errors": errors,
+            "in_flight_after": in_flight, "rss_mid_mb": round(rss_mid, 1),
+            "rss_end_mb": round(server_rss_mb(server_pid), 1), "engine_steps": c["steps"]}
+
+
+def add_soak_arguments(p) -> None:
+    p.add_argument("--engine", default="engines/default", help="engine folder (angelspec build)")
+    p.add_argument("--prompts", default="build/data/heldout.jsonl", help="prompts (JSONL)")
+    p.add_argument("--clients", type=int, default=32, help="concurrent streaming gRPC clients")
+    p.add_argument("--seconds", type=float, default=30.0, help="how long clients keep sending")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--drafter", default=None, help="default: the engine's (auto)")
+
+
+def run_soak(args) -> int:
+    from angelspec.bench import load_prompts
+    from angelspec.builders import triton
+
+    prompts = [r["prompt"] for r in load_prompts(args.prompts)]
+    ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
+    out = pathlib.Path("build/soak")
+    out.mkdir(parents=True, exist_ok=True)
+    # the engine decodes up to 16 at once and queues the rest: all clients are admitted
+    repo = triton.write_repo(args.engine, out / "repo", max_batch=min(16, args.clients),
+                             max_queue=args.clients)
+    proc = triton.start(repo, "build/triton", ports["http"], ports["grpc"], ports["metrics"],
+                        log=out / "server.log", record=False)
+    try:
+        r = soak(ports["grpc"], ports["metrics"], proc.pid, prompts, args.clients, args.seconds,
+                 args.max_tokens, args.drafter)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    growth = r["rss_end_mb"] / r["rss_mid_mb"] - 1
+    print(f"{r['clients']} clients for {r['seconds']:.0f} s: {r['requests']} requests finished, "
+          f"{len(r['errors'])} errors, {r['in_flight_after']:.0f} requests in flight afterwards; "
+          f"server memory {r['rss_mid_mb']:.0f} MB halfway, {r['rss_end_mb']:.0f} MB at the end "
+          f"({growth:+.1%})")
+    for e in sorted(set(r["errors"]))[:5]:
+        print("  error:", e)
+    ok = not r["errors"] and r["in_flight_after"] == 0 and growth < 0.10
+    print("soak: " + ("passed" if ok else "FAILED"))
+    return 0 if ok else 1
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--engine", default="engines/default", help="engine folder (angelspec build)")
+    p.add_argument("--prompts", default="build/data/heldout.jsonl",
+                   help="held-out prompts (JSONL with 'prompt'; the data step writes them)")
+    p.add_argument("--limit", type=int, default=None, help="use the first N prompts of each domain")
+    p.add_argument("--drafters", default="auto,none", help="comma-separated; none = autoregressive")
+    p.add_argument("--dcut", default="on,off", help="comma-separated D-cut settings to serve (on, off)")
+    p.add_argument("--concurrency", default="1,2,4,8,16", help="comma-separated concurrency levels")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--requests", type=int, default=12,
+                   help="requests measured per point (at least twice the concurrency)")
+    p.add_argument("--out", default="build/perf", help="folder for perf.csv, perf.png, perf.json, logs")
+
+
+def run(args) -> int:
+    from angelspec.bench import load_prompts
+
+    rows = load_prompts(args.prompts, args.limit)
+    by_domain: dict[str, list[str]] = {}
+    for r in rows:
+        by_domain.setdefault(r.get("domain", ""), []).append(r["prompt"])
+    # domains take turns, so any prefix of the list (what a point measures) mixes them evenly
+    prompts = [p for group in itertools.zip_longest(*by_domain.values()) for p in group if p]
+    levels = [int(x) for x in args.concurrency.split(",")]
+    if 1 not in levels:
+        levels = [1] + levels  # the overhead comparison runs at concurrency 1
+    result = sweep(args.engine, prompts, args.drafters.split(","), args.dcut.split(","), levels,
+                   args.max_tokens, pathlib.Path(args.out), args.requests)
+    print(speedup_table(result["rows"]))
+    print("\nserved vs in-process, one request at a time:")
+    for name, o in result["overhead"].items():
+        print(f"  {name}: {o['served_tok_s']} vs {o['in_process_tok_s']} tok/s "
+              f"({o['in_process_tok_s'] / o['served_tok_s'] - 1:+.1%} cost through Triton); step "
+              f"{o['served_step_ms']} vs {o['in_process_step_ms']} ms")
+    print(f"wrote {args.out}/perf.csv, perf.png, perf.json")
+    return 0
