@@ -31,6 +31,14 @@ def candidates(fz, hidden: torch.Tensor, k: int) -> torch.Tensor | None:
     return fz.logits(hidden).topk(k, dim=-1).indices
 
 
+def _over_context(a: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """a [..., A, Hkv, G, B, X] @ m [..., Hkv, X, Y] -> [..., A, Hkv, G, B, Y], every block's
+    rows in one matmul per KV head (broadcasting m over the A blocks would copy it A*G times)."""
+    A, G, B = a.shape[-5], a.shape[-3], a.shape[-2]
+    rows = a.movedim(-5, -4).flatten(-4, -2)  # [..., Hkv, A*G*B, X]
+    return (rows @ m).unflatten(-2, (A, G, B)).movedim(-4, -5)
+
+
 class DFly(nn.Module):
     def __init__(self, cfg):
         super().__init__()
@@ -69,13 +77,13 @@ class DFly(nn.Module):
         for layer, (kc, vc) in zip(self.layers, ctx_kv):
             q, kb, vb = layer.qkv(x, cos, sin)  # [..., A, H(kv), B, D]
             qg = grouped(q, layer.nkv) * layer.hd ** -0.5  # [..., A, Hkv, G, B, D]
-            s_ctx = qg @ kc.unsqueeze(-4).unsqueeze(-3).transpose(-1, -2)  # [..., A, Hkv, G, B, T]
+            s_ctx = _over_context(qg, kc.transpose(-1, -2))  # [..., A, Hkv, G, B, T]
             if ctx_mask is not None:
                 s_ctx = s_ctx.masked_fill(~ctx_mask[..., None, None, None, :], float("-inf"))
             s_blk = qg @ kb.unsqueeze(-3).transpose(-1, -2)  # [..., A, Hkv, G, B, B]
             p = torch.softmax(torch.cat([s_ctx, s_blk], dim=-1), dim=-1)
             t = kc.shape[-2]
-            out = p[..., :t] @ vc.unsqueeze(-4).unsqueeze(-3) + p[..., t:] @ vb.unsqueeze(-3)
+            out = _over_context(p[..., :t], vc) + p[..., t:] @ vb.unsqueeze(-3)
             x = layer.finish(x, out.flatten(-4, -3))
         return x
 
