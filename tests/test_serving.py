@@ -3,8 +3,12 @@ ports, hosting a tiny engine the tests build themselves; HTTP generate, gRPC str
 seeds, busy, cancellation, metrics, and lossless output through the whole stack."""
 import json
 import math
+import os
 import queue
+import signal
 import socket
+import subprocess
+import time
 import urllib.error
 import urllib.request
 
@@ -51,10 +55,20 @@ def server(tmp_path_factory):
     proc = triton.start(repo, root / "triton", ports["http"], ports["grpc"], ports["metrics"], log=log)
     yield {"target": target, "engine": root / "engine", "log": log, "pid": proc.pid, **ports}
     proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except Exception:
-        proc.kill()
+    try:  # a request left open would hold the shutdown (and leave stubs behind)
+        proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("tritonserver did not stop within 120 s of SIGTERM; log:\n" + log.read_text()[-3000:])
+    deadline = time.time() + 15
+    while time.time() < deadline:
+        try:
+            os.killpg(proc.pid, 0)  # a backend stub of this server still runs
+        except ProcessLookupError:
+            return
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGKILL)
+    pytest.fail("Python backend stubs outlived the server")
 
 
 @pytest.fixture(autouse=True)
@@ -177,7 +191,6 @@ def test_metrics_count_drafted_and_accepted_tokens(server):
 
 
 def test_client_cli_over_http_and_grpc_streaming(server):
-    import subprocess
     import sys
 
     expect = reference(server, "hello there", 16)
@@ -210,7 +223,6 @@ def test_overload_gets_busy_and_everything_else_completes(server):
 
 
 def test_a_client_that_goes_away_frees_its_slot(server):
-    import time
 
     results: queue.Queue = queue.Queue()
     c = grpcclient.InferenceServerClient(f"127.0.0.1:{server['grpc']}")
@@ -231,7 +243,6 @@ def test_a_client_that_goes_away_frees_its_slot(server):
 def test_a_request_past_its_timeout_is_ended_and_frees_its_slot(server):
     """The client's own request timeout (shorter than the server's) ends a long generation with
     a clear error; the slot is free again."""
-    import time
 
     results: queue.Queue = queue.Queue()
     c = grpcclient.InferenceServerClient(f"127.0.0.1:{server['grpc']}")

@@ -178,6 +178,7 @@ class TritonPythonModel:
             if job.sender.is_cancelled():
                 self.engine.cancel(rid)
                 del self.jobs[rid]
+                job.sender.send(flags=FINAL)  # the request is complete: Triton can release it
             elif now > job.deadline:
                 self.fail(rid, f"request timed out after {job.limit:g} s")
 
@@ -220,5 +221,13 @@ class TritonPythonModel:
         job.sender.send(self.response(ids, ev.stats, None))
 
     def finalize(self):
+        """Shutting down: stop the worker, then end every request still open with an error, so
+        Triton is not left waiting for final responses (and the server stops promptly)."""
         self.running = False
         self.worker.join(timeout=5)
+        for rid in list(self.jobs):
+            self.fail(rid, "the server is shutting down")
+        while not self.inbox.empty():
+            _, _, job = self.inbox.get_nowait()
+            job.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                "the server is shutting down")), flags=FINAL)
