@@ -1,11 +1,14 @@
 """D-cut and `auto` routing inside the engine: both only change what is drafted and verified,
 never the output (greedy == batch-1 autoregressive, token for token)."""
+import time
+
 import pytest
 import torch
 
 from angelspec.drafters import Drafter, Proposal
 from angelspec.runtime import Engine, Request, SamplingParams
 from angelspec.runtime.cost import CostTable, fingerprint, profile
+from angelspec.runtime.gate import DraftGate
 from angelspec.runtime.router import DomainClassifier, Router
 from test_lossless import NoisyOracle, autoregressive, prompts
 
@@ -42,6 +45,38 @@ def test_dcut_is_lossless_and_cuts_when_tokens_are_dear(tiny, per_token, batch):
         assert eng.dcut_kept == eng.dcut_drafted
     if per_token == 0.05:  # a token costs more than a 0.7-confidence draft brings
         assert eng.dcut_kept < 0.5 * eng.dcut_drafted
+
+
+def test_gate_sits_out_a_drafter_that_costs_more_than_it_brings_and_probes_it():
+    gate = DraftGate(lambda n: 0.03 + 0.001 * n)
+    gate.observe("slow", 4, seconds=0.4, kept=8, accepted=2)  # 0.1 s per request for 0.5 tokens
+    gate.observe("fast", 2, seconds=0.0002, kept=4, accepted=3)  # nearly free, 1.5 tokens
+    names = ["slow"] * 3 + ["fast"]
+    assert gate.plan(1, names, 0.01) == ["none"] * 3 + ["fast"]
+    assert gate.plan(2, names, 0.01) == ["slow", "none", "none", "fast"]  # one request probes
+    gate.observe("slow", 1, seconds=0.1, kept=2, accepted=0)
+    assert gate.plan(3, names, 0.01) == ["none"] * 3 + ["fast"]  # still bad: out for 2 steps now
+    assert gate.plan(4, names, 0.01) == ["none"] * 3 + ["fast"]
+    assert gate.plan(5, names, 0.01)[0] == "slow"
+    for _ in range(10):  # it got cheap and good (the estimates are running averages)
+        gate.observe("slow", 1, seconds=0.0001, kept=2, accepted=2)
+    assert gate.plan(6, names, 0.01) == names
+
+
+def test_a_slow_drafter_sits_out_under_dcut_and_output_stays_lossless(tiny):
+    class Slow(NoisyOracle):
+        def propose(self, states):
+            time.sleep(0.02 * len(states))
+            return super().propose(states)
+
+    ps = prompts(4)
+    ref = autoregressive(tiny, ps, 40)
+    slow = Slow({tuple(p): r for p, r in zip(ps, ref)}, 4, p_wrong=0.5)
+    eng = Engine(tiny, max_batch=4, max_len=256, drafters={"oracle": slow}, dcut=True,
+                 cost=table(0.0001))
+    out = eng.generate([Request(p, SamplingParams(max_new_tokens=40), "oracle") for p in ps])
+    assert [r.tokens for r in out] == ref
+    assert eng.gate.skipped > 0
 
 
 def test_profiled_cost_table_grows_with_tokens(tiny):

@@ -23,6 +23,7 @@ from angelspec.drafters import ALIASES, Drafter, Proposal, canonical, make_draft
 from angelspec.model import Segment
 from angelspec.plugins import RATIOS, SKINNY_MAX_ROWS, dcut_select
 from angelspec.runtime.cost import CostTable, profile
+from angelspec.runtime.gate import DraftGate
 from angelspec.runtime.router import RouteState, Router, route_cost
 from angelspec.runtime.sampling import SamplingParams, probs_from_logits, sample
 from angelspec.runtime.verify import verify_batch
@@ -134,6 +135,8 @@ class Engine:
             cost = profile(self.model, max_tokens=SKINNY_MAX_ROWS)
         self.cost = cost
         self._cost_tensors = cost.tensors() if cost else None
+        # with D-cut, drafters whose drafting costs more than it brings sit steps out
+        self.gate = DraftGate(route_cost(cost)) if cost else None
         self.router = router
         self.prefill_time = 0.0  # seconds spent in prompt forwards (benchmarks separate decoding)
         self.steps = 0  # verification forwards run (one serves every active request)
@@ -342,25 +345,28 @@ class Engine:
             return int(logits.argmax())
         return int(sample(probs_from_logits(logits[None], s.params), s.generator))
 
-    def _propose(self, active: list[RequestState], names: list[str]) -> list[Proposal]:
-        """One proposal per request from drafter names[i] (grouped: one call per drafter)."""
+    def _propose(self, active: list[RequestState], names: list[str]) -> tuple[list[Proposal], dict]:
+        """One proposal per request from drafter names[i] (grouped: one call per drafter), and
+        the seconds each drafter took."""
         props: list[Proposal | None] = [None] * len(active)
+        spent: dict[str, float] = {}
         groups: dict[str, list[int]] = {}
         for i, name in enumerate(names):
             groups.setdefault(name, []).append(i)
         for name, idx in groups.items():
             t0 = time.perf_counter()
             views = [active[i].view(name) for i in idx]
-            for i, p in zip(idx, self.drafters[name].propose(views)):
+            for i, p in zip(idx, self.drafter(name).propose(views)):
                 props[i] = p
+            spent[name] = time.perf_counter() - t0
             if self.router is not None:
-                self.router.note_draft_time(name, (time.perf_counter() - t0) / len(idx))
+                self.router.note_draft_time(name, spent[name] / len(idx))
         out = []
         for s, p in zip(active, props):
             # never draft past the token budget or the cache (the bonus token always comes)
             room = min(s.params.max_new_tokens - len(s.output), self.max_len - len(s.tokens)) - 1
             out.append(p.clip(max(room, 0)))
-        return out
+        return out, spent
 
     def _cut(self, props: list[Proposal], t_draft: float) -> list[Proposal]:
         """D-cut over the batch's drafts; without it, only the row limit of lossless kernels."""
@@ -384,7 +390,11 @@ class Engine:
     def _step(self, active: list[RequestState]) -> list[tuple[RequestState, list[int]]]:
         self.steps += 1
         t_step = time.perf_counter()
-        props = self._propose(active, [s.drafter for s in active])
+        names = [s.drafter for s in active]
+        gate = self.gate if self.dcut else None  # D-cut off: fixed draft lengths
+        if gate is not None:
+            names = gate.plan(self.steps, names, self.t_fixed)
+        props, drafting = self._propose(active, names)
         shadow = {}  # routed requests: one other candidate drafts too, every few steps
         for i, s in enumerate(active):
             if s.route is not None:
@@ -393,7 +403,7 @@ class Engine:
                     shadow[i] = name
         if shadow:
             idx = list(shadow)
-            for i, p in zip(idx, self._propose([active[i] for i in idx], [shadow[i] for i in idx])):
+            for i, p in zip(idx, self._propose([active[i] for i in idx], [shadow[i] for i in idx])[0]):
                 self.router.record(active[i].route, shadow[i], len(active[i].tokens), p.tokens.tolist())
         t_draft = time.perf_counter() - t_step
         props = self._cut(props, t_draft)
@@ -423,6 +433,11 @@ class Engine:
                 s.drafter = self.router.observe(s.route, s.drafter, accepted, k, s.tokens, cost)
             out.append((s, committed))
             row += k + 1
+        if gate is not None:
+            for name, seconds in drafting.items():
+                mine = [(len(p.tokens), v[0]) for n, p, v in zip(names, props, verdicts) if n == name]
+                gate.observe(name, len(mine), seconds, sum(k for k, _ in mine),
+                                  sum(a for _, a in mine))
         total = time.perf_counter() - t_step
         spent = total - t_draft - t_fwd
         self.t_fixed = spent if self.steps == 1 else 0.9 * self.t_fixed + 0.1 * spent

@@ -146,7 +146,8 @@ class Router:
                 committed: list[int], cost) -> str:
         """After a step: score the current drafter and any shadow proposal whose positions are now
         all committed; return the drafter to use from the next step on."""
-        route.evidence.setdefault(current, DrafterEvidence()).add(accepted, drafted)
+        if drafted:  # a step without drafts (cut by D-cut, or sat out) says nothing of the drafter
+            route.evidence.setdefault(current, DrafterEvidence()).add(accepted, drafted)
         keep, scored = [], False
         for name, pos, toks in route.pending:
             if pos + len(toks) > len(committed):

@@ -1,0 +1,75 @@
+"""Drafting that stops when it does not pay: D-cut's keep ratio 0, decided before drafting.
+
+D-cut trims drafts after they are made, so their drafting time is already spent. Under load a
+trained drafter (it drafts one request at a time) can cost more than every token it brings.
+Before each step the gate asks, for each drafter in the batch, whether drafting for its n
+requests raises the step's expected tokens per second. It answers from running estimates of one
+request's drafting seconds t, its draft tokens that survive D-cut k, and its accepted tokens a:
+
+    tokens = B + sum(n * a),  seconds = T_fixed + sum(n * t) + C(B + sum(n * k))
+
+Drafters are added in order of a / t while the ratio grows; a drafter that would lower it sits
+out for `backoff` steps (doubling up to MAX_BACKOFF while it keeps not paying). When its time is
+up, one of its requests drafts as a probe and refreshes the estimates. Skipping drafts is
+always lossless: a request that does not draft gets its next token from the verification
+forward, exactly as `none`. Only used with D-cut (D-cut off means fixed draft lengths).
+"""
+from __future__ import annotations
+
+MAX_BACKOFF = 32
+EMA = 0.3  # weight of the newest observation
+
+
+class DraftGate:
+    def __init__(self, cost):
+        self.cost = cost  # C(n): seconds of a verification forward over n tokens
+        self.est: dict[str, tuple[float, float, float]] = {}  # name -> (t, k, a) per request
+        self.until: dict[str, int] = {}  # name -> first step it may draft again
+        self.backoff: dict[str, int] = {}
+        self.skipped = 0  # requests that sat out a step (for benchmarks)
+
+    def plan(self, step: int, names: list[str], t_fixed: float) -> list[str]:
+        """The drafter each request uses this step: its own, or "none" when its drafter sits out
+        (one request of a drafter whose time is up drafts as a probe)."""
+        groups: dict[str, list[int]] = {}
+        for i, name in enumerate(names):
+            if name != "none":
+                groups.setdefault(name, []).append(i)
+        out = list(names)
+        B = len(names)
+        tokens, seconds, kept = float(B), t_fixed + self.cost(B), 0.0
+        ranked = sorted((g for g in groups if g in self.est),
+                        key=lambda g: self.est[g][2] / max(self.est[g][0], 1e-9), reverse=True)
+        for g in ranked:
+            idx = groups[g]
+            if step < self.until.get(g, 0):  # sitting out
+                self._skip(out, idx)
+                continue
+            if self.until.get(g, -1) == step:  # its time is up: one request probes
+                self._skip(out, idx[1:])
+                continue
+            t, k, a = self.est[g]
+            n = len(idx)
+            add_s = n * t + self.cost(B + kept + n * k) - self.cost(B + kept)
+            if (tokens + n * a) * seconds > tokens * (seconds + add_s):
+                tokens, seconds, kept = tokens + n * a, seconds + add_s, kept + n * k
+                self.backoff[g] = 1
+            else:
+                wait = self.backoff.get(g, 1)
+                self.until[g] = step + wait
+                self.backoff[g] = min(2 * wait, MAX_BACKOFF)
+                self._skip(out, idx)
+        return out
+
+    def _skip(self, out: list[str], idx: list[int]) -> None:
+        for i in idx:
+            out[i] = "none"
+        self.skipped += len(idx)
+
+    def observe(self, name: str, requests: int, seconds: float, kept: int, accepted: int) -> None:
+        """What one step's drafting with `name` cost and brought, over `requests` requests."""
+        if name == "none" or not requests:
+            return
+        new = (seconds / requests, kept / requests, accepted / requests)
+        old = self.est.get(name)
+        self.est[name] = new if old is None else tuple(EMA * x + (1 - EMA) * y for x, y in zip(new, old))
