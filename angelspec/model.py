@@ -202,7 +202,11 @@ class Llama:
                 hidden[i + 1] = x
         if logit_rows is not None:
             x = x[logit_rows]
-        return linear(rms_norm(x, self.norm, eps), self.lm_head), hidden
+        return self.head(x), hidden
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Last hidden states [n, h] -> logits: the final norm and the lm_head."""
+        return linear(rms_norm(x, self.norm, self.cfg.rms_norm_eps), self.lm_head)
 
     def _attention(self, q, k, v, batch: Batch, ck: torch.Tensor, cv: torch.Tensor):
         """q [N, H, hd], k/v [N, Hkv, hd] -> [N, H*hd]; writes k/v into the cache first."""

@@ -13,21 +13,13 @@ import csv
 import itertools
 import json
 import pathlib
-import socket
 import subprocess
 import time
-import urllib.request
 
 import numpy as np
 
 FIELDS = ["dcut", "drafter", "concurrency", "requests", "output_tok_s", "ttft_p50_ms",
           "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "step_ms", "accept_rate"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def perf_analyzer_env(folder: pathlib.Path) -> dict:
@@ -68,13 +60,6 @@ def write_inputs(path: pathlib.Path, prompts: list[str], drafter: str, max_token
     path.write_text(json.dumps({"data": rows}))
 
 
-def _text(value) -> str:
-    if isinstance(value, dict):  # {"b64": ...} in some exports
-        import base64
-        return base64.b64decode(value.get("b64", "")).decode("utf-8", "replace")
-    return value if isinstance(value, str) else str(value)
-
-
 def summarize(export: pathlib.Path, count_tokens) -> dict:
     """perf_analyzer's profile export -> throughput and latency percentiles of one experiment."""
     exp = json.loads(export.read_text())["experiments"][-1]
@@ -84,7 +69,7 @@ def summarize(export: pathlib.Path, count_tokens) -> dict:
     tokens, ttft, itl, ends = 0, [], [], []
     for r in reqs:
         ts = r["response_timestamps"]
-        text = "".join(_text(o.get("text_output", "")) for o in r.get("response_outputs", []))
+        text = "".join(o.get("text_output", "") for o in r.get("response_outputs", []))
         n = count_tokens(text)
         tokens += n
         ttft.append((ts[0] - r["timestamp"]) / 1e6)
@@ -100,15 +85,12 @@ def summarize(export: pathlib.Path, count_tokens) -> dict:
 
 def server_counters(metrics_port: int) -> dict:
     """The engine's own counters from the metrics port: steps, step time, drafted, accepted."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
-    out = {"steps": 0.0, "step_s": 0.0, "drafted": 0.0, "accepted": 0.0}
-    names = {"angelspec_steps_total": "steps", "angelspec_step_seconds_total": "step_s",
-             "angelspec_draft_tokens_total": "drafted", "angelspec_accepted_tokens_total": "accepted"}
-    for line in text.splitlines():
-        name = line.split("{")[0].split(" ")[0]
-        if name in names:
-            out[names[name]] += float(line.rsplit(" ", 1)[1])
-    return out
+    from angelspec.builders.triton import metrics
+
+    m = metrics(metrics_port)
+    return {"steps": m.get("angelspec_steps_total", 0.0), "step_s": m.get("angelspec_step_seconds_total", 0.0),
+            "drafted": m.get("angelspec_draft_tokens_total", 0.0),
+            "accepted": m.get("angelspec_accepted_tokens_total", 0.0)}
 
 
 def run_point(grpc_port: int, metrics_port: int, inputs: pathlib.Path, concurrency: int,
@@ -207,31 +189,32 @@ def sweep(engine_dir: str, prompts: list[str], drafters: list[str], dcuts: list[
           concurrencies: list[int], max_tokens: int, out: pathlib.Path, min_requests: int,
           server_dir: str = "build/triton") -> dict:
     from tqdm import tqdm
-    from transformers import AutoTokenizer
 
     from angelspec.builders import triton
     from angelspec.runtime import load_engine
 
     out.mkdir(parents=True, exist_ok=True)
     env = perf_analyzer_env(out / "libs")
-    tok = AutoTokenizer.from_pretrained(str(pathlib.Path(engine_dir) / "target"))
-    count = lambda text: len(tok.encode(text, add_special_tokens=False)) if text else 0  # noqa: E731
-    prompt_ids = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=True,
-                                          add_generation_prompt=True)
-                  if tok.chat_template else tok.encode(p, add_special_tokens=False) for p in prompts]
+    target = None  # the first engine's; later engines share it
     served_by = {dcut: [d for d in drafters if d != "none" or dcut == dcuts[0]] for dcut in dcuts}
     rows, overhead = [], {}
     log = (out / "perf_analyzer.log").open("w")
     bar = tqdm(total=sum(len(v) for v in served_by.values()) * len(concurrencies), desc="perf", unit="point")
     for dcut, mine in served_by.items():
-        ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
+        ports = {"http": triton.free_port(), "grpc": triton.free_port(), "metrics": triton.free_port()}
         repo = triton.write_repo(engine_dir, out / f"repo-dcut-{dcut}", max_batch=max(concurrencies),
                                  max_queue=max(concurrencies), dcut=dcut == "on")
         proc = triton.start(repo, server_dir, ports["http"], ports["grpc"], ports["metrics"],
                             log=out / f"server-dcut-{dcut}.log", record=False)
         try:
-            engine = load_engine(engine_dir, max_batch=max(concurrencies), dcut=dcut == "on")
+            engine = load_engine(engine_dir, max_batch=max(concurrencies), dcut=dcut == "on",
+                                 target=target)
             engine.warm_up(mine)  # as the server did before it said it was ready
+            if target is None:  # the served preprocessing's encoding; its tokenizer counts output
+                target = engine.target
+                tok = target.tokenizer
+                count = lambda text: len(tok.encode(text, add_special_tokens=False)) if text else 0  # noqa: E731
+                prompt_ids = [target.encode_chat(p) for p in prompts]
             for n in concurrencies:  # drafters take turns at each level: drift hits both alike
                 for d in mine:
                     inputs = out / f"inputs-{d}.json"
@@ -333,13 +316,13 @@ def soak(grpc_port: int, metrics_port: int, server_pid: int, prompts: list[str],
     for t in threads:
         t.join()
     time.sleep(1.0)  # the final step's bookkeeping
-    c = server_counters(metrics_port)
-    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
-    in_flight = next((float(l.split()[-1]) for l in text.splitlines()
-                      if l.startswith("angelspec_requests_in_flight")), 0.0)
+    from angelspec.builders.triton import metrics
+
+    m = metrics(metrics_port)
+    in_flight, steps = m.get("angelspec_requests_in_flight", 0.0), m.get("angelspec_steps_total", 0.0)
     return {"clients": clients, "seconds": seconds, "requests": done[0], "errors": errors,
             "in_flight_after": in_flight, "rss_mid_mb": round(rss_mid, 1),
-            "rss_end_mb": round(server_rss_mb(server_pid), 1), "engine_steps": c["steps"]}
+            "rss_end_mb": round(server_rss_mb(server_pid), 1), "engine_steps": steps}
 
 
 def add_soak_arguments(p) -> None:
@@ -356,7 +339,7 @@ def run_soak(args) -> int:
     from angelspec.builders import triton
 
     prompts = [r["prompt"] for r in load_prompts(args.prompts)]
-    ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
+    ports = {"http": triton.free_port(), "grpc": triton.free_port(), "metrics": triton.free_port()}
     out = pathlib.Path("build/soak")
     out.mkdir(parents=True, exist_ok=True)
     # the engine decodes up to 16 at once and queues the rest: all clients are admitted

@@ -10,6 +10,7 @@ import os
 import pathlib
 import shutil
 import signal
+import socket
 import string
 import subprocess
 import sys
@@ -139,3 +140,21 @@ def stop(server: str | pathlib.Path = "build/triton") -> bool:
         time.sleep(0.1)
     os.killpg(pid, signal.SIGKILL)
     return True
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (for servers started by tests and load tests)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def metrics(metrics_port: int) -> dict[str, float]:
+    """The server's Prometheus metrics: name -> value, summed over labels."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.split("{")[0].split(" ")[0], float(line.rsplit(" ", 1)[1])
+            out[name] = out.get(name, 0.0) + value
+    return out

@@ -6,7 +6,6 @@ import math
 import os
 import queue
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -15,7 +14,6 @@ import warnings
 
 import numpy as np
 import pytest
-import torch
 
 from angelspec.builders import triton
 from angelspec.builders.build import build
@@ -27,12 +25,6 @@ from test_drafters import draft
 
 pytest.importorskip("pytriton")
 grpcclient = pytest.importorskip("tritonclient.grpc")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +43,7 @@ def server(tmp_path_factory):
           backends=("eager",), max_tokens=16)
     repo = triton.write_repo(root / "engine", root / "repo", max_batch=2, max_queue=2,
                              request_timeout_s=20)
-    ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
+    ports = {"http": triton.free_port(), "grpc": triton.free_port(), "metrics": triton.free_port()}
     log = root / "server.log"
     proc = triton.start(repo, root / "triton", ports["http"], ports["grpc"], ports["metrics"], log=log)
     yield {"target": target, "engine": root / "engine", "log": log, "pid": proc.pid, **ports}
@@ -208,9 +200,7 @@ def test_client_cli_over_http_and_grpc_streaming(server):
 
 
 def in_flight(server) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{server['metrics']}/metrics", timeout=10).read().decode()
-    line = next((l for l in text.splitlines() if l.startswith("angelspec_requests_in_flight")), None)
-    return float(line.split()[-1]) if line else 0.0
+    return triton.metrics(server["metrics"]).get("angelspec_requests_in_flight", 0.0)
 
 
 def test_overload_gets_busy_and_everything_else_completes(server):

@@ -25,7 +25,6 @@ import time
 from collections import Counter
 
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -125,9 +124,7 @@ def _features(model, seqs: list[list[int]], layers: list[int], cache,
 def teacher_ids(model, h_last: torch.Tensor, chunk: int = 2048) -> torch.Tensor:
     """The target's own next-token choice (argmax) after every position, from its cached last
     hidden states [T, h] (bf16, so at a near-tie it can differ from the full-precision choice)."""
-    eps = model.cfg.rms_norm_eps
-    out = [F.linear(F.rms_norm(h_last[i: i + chunk].float(), (h_last.shape[-1],), model.norm, eps),
-                    model.lm_head).argmax(-1) for i in range(0, len(h_last), chunk)]
+    out = [model.head(h_last[i: i + chunk].float()).argmax(-1) for i in range(0, len(h_last), chunk)]
     return torch.cat(out).to(torch.int32)
 
 

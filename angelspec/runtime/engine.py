@@ -136,7 +136,8 @@ class Engine:
         self.cost = cost
         self._cost_tensors = cost.tensors() if cost else None
         # with D-cut, drafters whose drafting costs more than it brings sit steps out
-        self.gate = DraftGate(route_cost(cost)) if cost else None
+        self._cost_fn = route_cost(cost)  # C(n) in seconds (None without a table)
+        self.gate = DraftGate(self._cost_fn) if cost else None
         self.router = router
         self.prefill_time = 0.0  # seconds spent in prompt forwards (benchmarks separate decoding)
         self.steps = 0  # verification forwards run (one serves every active request)
@@ -419,7 +420,7 @@ class Engine:
         verdicts = verify_batch(logits, [p.tokens for p in props], [p.q for p in props],
                                 [s.params for s in active], [s.generator for s in active])
         out, row = [], 0
-        cost = route_cost(self.cost) if shadow or any(s.route for s in active) else None
+        cost = self._cost_fn if shadow or any(s.route for s in active) else None
         for s, p, (accepted, new) in zip(active, props, verdicts):
             k = len(p.tokens)
             s.stats.steps += 1
