@@ -25,7 +25,7 @@ from angelspec.drafters import TRAINED, make_drafter
 from angelspec.plugins import RATIOS, SKINNY_MAX_ROWS
 from angelspec.runtime.cost import fingerprint, profile
 from angelspec.runtime.engine_dir import FORMAT, MANIFEST, sha256
-from angelspec.runtime.router import DEFAULT_ROUTES, DOMAINS, DomainClassifier, Router
+from angelspec.runtime.router import DEFAULT_ROUTES, DOMAINS, DomainClassifier, Router, contenders
 
 DRAFT_FILES = ("config.json", "model.safetensors")
 
@@ -127,7 +127,8 @@ def build(target_dir: str, drafts_dir: str, out: str, data_dir: str | None = Non
         candidates = [c for c in ("mtp", "dfly", "ngram") if c in set(kinds) | {"ngram"}]
         bar.set_postfix_str("router: measuring drafters per domain")
         routes, speed = calibrate_routes(target, drafts_dir, candidates)
-        router = {**Router(None, routes, tuple(candidates)).settings(), "domains": list(DOMAINS),
+        router = {**Router(None, routes, tuple(candidates), contenders=contenders(speed)).settings(),
+                  "domains": list(DOMAINS),
                   "classifier": "router.safetensors", "accuracy": accuracy,
                   "calibration_tokens_per_s": speed, "design_routes": DEFAULT_ROUTES}
     bar.update()

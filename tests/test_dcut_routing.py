@@ -9,7 +9,7 @@ from angelspec.drafters import Drafter, Proposal
 from angelspec.runtime import Engine, Request, SamplingParams
 from angelspec.runtime.cost import CostTable, fingerprint, profile
 from angelspec.runtime.gate import DraftGate
-from angelspec.runtime.router import DomainClassifier, Router
+from angelspec.runtime.router import DomainClassifier, Router, contenders
 from test_lossless import NoisyOracle, autoregressive, prompts
 
 
@@ -118,6 +118,24 @@ def test_router_switches_away_from_a_bad_drafter_losslessly(tiny):
     long = [r for r in out if r.stats.steps >= 15]  # (some prompts reach eos early)
     assert len(long) >= 2
     assert all(r.switches[0][1:] == ("random", "oracle") and r.drafter == "oracle" for r in long)
+
+
+def test_only_contenders_follow_a_routed_request(tiny, monkeypatch):
+    """A drafter the build measured far slower for a domain never drafts nor catches up there."""
+    assert contenders({"chat": {"mtp": 30.0, "ngram": 37.0, "dfly": 20.0}}) == {"chat": ["mtp", "ngram"]}
+    ps = prompts(3)
+    ref = autoregressive(tiny, ps, 40)
+    oracle = NoisyOracle({tuple(p): r for p, r in zip(ps, ref)}, 4)
+    monkeypatch.setattr(oracle, "propose", lambda states: pytest.fail("oracle is no contender"))
+    monkeypatch.setattr(oracle, "on_commit", lambda *a: pytest.fail("oracle is no contender"))
+    clf = DomainClassifier.fit([[1, 2, 3], [50, 60], [80, 81]], ["chat", "code", "math"], 97)
+    only = {"chat": ["random"], "code": ["random"], "math": ["random"]}
+    router = Router(clf, routes={d: "random" for d in only}, candidates=("random", "oracle"),
+                    shadow_every=2, min_obs=2, contenders=only)
+    eng = Engine(tiny, max_batch=2, max_len=256, router=router,
+                 drafters={"oracle": oracle, "random": Random()})
+    out = eng.generate([Request(p, SamplingParams(max_new_tokens=40), "auto") for p in ps])
+    assert [r.tokens for r in out] == ref and all(not r.switches for r in out)
 
 
 def test_auto_needs_a_router(tiny):

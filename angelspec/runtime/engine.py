@@ -198,11 +198,10 @@ class Engine:
                             route=route)
 
     def attached(self, s: RequestState) -> list[str]:
-        """Drafters that follow a request's commits: its own, and for `auto` every candidate."""
+        """Drafters that follow a request's commits: its own, and for `auto` its contenders."""
         if s.route is None:
             return [s.drafter]
-        return list(dict.fromkeys([s.drafter] + [c for c in self.router.candidates
-                                                 if self.available(c)]))
+        return list(dict.fromkeys([s.drafter] + list(s.route.candidates)))
 
     def warm_up(self, drafters: list[str] | None = None) -> None:
         """Pay every first-use cost now (drafts loaded, custom ops dispatched, kernels touched):

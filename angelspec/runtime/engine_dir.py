@@ -90,7 +90,7 @@ def load_engine(path: str | pathlib.Path, max_batch: int = 8, max_len: int = 204
         router = Router(DomainClassifier(state["log_prior"], state["log_prob"], r["domains"]),
                         r["routes"], tuple(r["candidates"]), shadow_every=r["shadow_every"],
                         min_obs=r["min_obs"], margin=r["margin"], max_every=r["max_every"],
-                        budget=r["budget"])
+                        budget=r["budget"], contenders=r.get("contenders"))
     if backend != "eager":
         from angelspec.builders.backend import use_backend
         use_backend(target.model, backend)

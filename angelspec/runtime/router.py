@@ -4,8 +4,12 @@ first drafter, then shadow drafting lets the evidence switch it.
 1. **Classifier.** Multinomial naive Bayes over the prompt's token ids (chat template included,
    as served), trained on the prompts of `angelspec data` with their domain labels; its held-out
    accuracy is stored in the engine. The domain maps to a drafter (chat -> mtp, code/math -> dfly
-   by default; missing drafts fall back to ngram).
-2. **Online rule.** Every few steps of a request, ONE other candidate drafter (round robin) also
+   by default; the build measures each domain's fastest; missing drafts fall back to ngram).
+   The domain also names the request's contenders: the drafters the build measured within
+   `CONTEND` of the domain's fastest (all candidates when an engine has no measurement). Only
+   they follow the request's commits and shadow-draft for it: a drafter that measured far slower
+   costs nothing (with one contender, `auto` costs what that drafter alone costs).
+2. **Online rule.** Every few steps of a request, ONE other contender (round robin) also
    drafts for it: after `shadow_every` steps at first, the interval doubling (up to `max_every`)
    each time the scores confirm the current drafter, and back to `shadow_every` after a switch. No extra target forward is needed to score that proposal: once the
    positions it covers are committed, its accepted length is the length of its prefix that matches
@@ -25,6 +29,12 @@ import torch
 
 DOMAINS = ("chat", "code", "math")
 DEFAULT_ROUTES = {"chat": "mtp", "code": "dfly", "math": "dfly"}
+CONTEND = 0.2  # a drafter within 20% of a domain's fastest (build measurement) stays a contender
+
+
+def contenders(speed: dict) -> dict:
+    """domain -> the drafters whose measured tokens/s is within CONTEND of the domain's best."""
+    return {d: [c for c, v in s.items() if v >= (1 - CONTEND) * max(s.values())] for d, s in speed.items()}
 
 
 class DomainClassifier:
@@ -72,6 +82,7 @@ class DrafterEvidence:
 @dataclass
 class RouteState:
     domain: str
+    candidates: tuple = ()  # the drafters that follow this request and may shadow-draft for it
     evidence: dict = field(default_factory=dict)  # drafter -> DrafterEvidence
     pending: list = field(default_factory=list)  # (drafter, start position, tokens) to score
     steps: int = 0
@@ -89,10 +100,11 @@ class Router:
     def __init__(self, classifier: DomainClassifier | None, routes: dict | None = None,
                  candidates: tuple = ("mtp", "dfly", "ngram"), shadow_every: int = 4,
                  min_obs: int = 3, margin: float = 0.1, max_every: int = 32,
-                 budget: float = 0.05):
+                 budget: float = 0.05, contenders: dict | None = None):
         self.classifier = classifier
         self.routes = dict(routes or DEFAULT_ROUTES)
         self.candidates = tuple(candidates)
+        self.contenders = {d: tuple(c) for d, c in (contenders or {}).items()}
         self.shadow_every, self.min_obs, self.margin = shadow_every, min_obs, margin
         self.max_every = max_every
         self.budget = budget  # shadow drafting may cost at most this share of the steps' time
@@ -102,12 +114,15 @@ class Router:
     def settings(self) -> dict:
         return {"routes": self.routes, "candidates": list(self.candidates),
                 "shadow_every": self.shadow_every, "max_every": self.max_every,
-                "min_obs": self.min_obs, "margin": self.margin, "budget": self.budget}
+                "min_obs": self.min_obs, "margin": self.margin, "budget": self.budget,
+                "contenders": {d: list(c) for d, c in self.contenders.items()}}
 
     def first(self, prompt_ids: list[int], available) -> tuple[str, RouteState]:
         domain = self.classifier.predict(prompt_ids) if self.classifier else "chat"
         name = self.routes.get(domain, "ngram")
-        return (name if available(name) else "ngram"), RouteState(domain)
+        name = name if available(name) else "ngram"
+        others = [c for c in self.contenders.get(domain, self.candidates) if available(c)]
+        return name, RouteState(domain, tuple(dict.fromkeys([name] + others)))
 
     def note_draft_time(self, name: str, seconds: float) -> None:
         old = self.draft_seconds.get(name)
@@ -126,7 +141,7 @@ class Router:
         if route.steps < route.next_shadow:
             return None
         route.next_shadow = route.steps + route.interval
-        others = [c for c in self.candidates if c != current and available(c)]
+        others = [c for c in route.candidates if c != current and available(c)]
         if not others:
             return None
         name = others[(route.turn + 1) % len(others)]

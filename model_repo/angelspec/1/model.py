@@ -214,8 +214,9 @@ class TritonPythonModel:
         if not job.stream or not ev.tokens:
             return
         job.held += ev.tokens
-        # hold back tokens that end inside a multi-byte character: chunks never split one
-        if self.tok.decode(job.tokens, skip_special_tokens=True).endswith("\ufffd"):
+        # hold back tokens that end inside a multi-byte character: chunks never split one (the
+        # held tokens start where a character starts, so decoding them alone tells)
+        if self.tok.decode(job.held, skip_special_tokens=True).endswith("\ufffd"):
             return
         ids, job.held = job.held, []
         job.sender.send(self.response(ids, ev.stats, None))
