@@ -75,7 +75,7 @@ bench-engine:
 	$(VENV)/bin/angelspec bench --engine $(ENGINE) --prompts $(DATA)/heldout.jsonl \
 	  --drafters ar,ngram,mtp,dfly,auto --max-new-tokens 128 --dcut on --out build/bench-engine-c1$(SUFFIX).json
 	$(VENV)/bin/angelspec bench --engine $(ENGINE) --prompts $(DATA)/heldout.jsonl \
-	  --drafters ar,ngram,dfly,auto --max-new-tokens 128 --concurrency 16 --dcut both \
+	  --drafters ar,ngram,dfly,auto --max-new-tokens 128 --concurrency 16 --dcut both --rounds 3 \
 	  --out build/bench-engine-c16$(SUFFIX).json
 
 HTTP_PORT ?= 8000

@@ -190,10 +190,13 @@ def verify_cost(target: Target, context: int = 256, sizes=(1, 2, 4, 8, 16), reps
 def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_new: int = 128,
           batch_size: int = 1, draft_len: int | None = None, eps: float = NEAR_TIE_EPS,
           with_verify_cost: bool = False, drafts: str | None = None, engine_dir: str | None = None,
-          dcut: str = "off") -> dict:
+          dcut: str = "off", rounds: int = 1) -> dict:
     """batch_size: requests in flight (the engine's concurrency); dcut: off, on or both (every
     drafter runs with and without D-cut, side by side); engine_dir: serve a built engine (its
-    target, drafts, router, backend and cost profile) instead of `target` + `drafts`."""
+    target, drafts, router, backend and cost profile) instead of `target` + `drafts`; rounds:
+    every batch runs that many times, drafters taking turns each time, and times add up (at high
+    concurrency all prompts are one batch, so one round would time each drafter once, at a
+    different moment of a noisy machine)."""
     from angelspec.runtime.cost import profile
     from angelspec.runtime.engine_dir import load_engine
 
@@ -222,7 +225,7 @@ def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_n
     runs = [Run(d, len(prompts), dcut=m) for d in names
             for m in ((False,) if d in ("ar", "hf") else modes)]
     # drafters take turns on each batch: a slow phase of a noisy machine hits all of them alike
-    for domain, chunk in tqdm(chunks(prompts, batch_size),
+    for domain, chunk in tqdm(chunks(prompts, batch_size) * rounds,
                               desc=f"bench {','.join(r.label for r in runs)}", unit="batch",
                               file=sys.stderr):
         samples.append(stream_bandwidth(buf=stream_buf))
@@ -251,7 +254,7 @@ def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_n
             idx = [i for i, p in enumerate(prompts) if dom in ("all", p["domain"])]
             timed = dom == "all" or dom in run.seconds  # mixed batches: time only for "all"
             pick = (lambda m: sum(m.values())) if dom == "all" else (lambda m: m[dom])  # noqa: E731
-            new = sum(len(run.outputs[i]) for i in idx)
+            new = sum(len(run.outputs[i]) for i in idx)  # per round
             steps = sum(run.steps[i] for i in idx)
             row = {"drafter": run.drafter, "dcut": run.dcut, "concurrency": batch_size,
                    "domain": dom, "n_prompts": len(idx), "new_tokens": new,
@@ -264,7 +267,7 @@ def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_n
                    "weight_gb_per_s": None}
             if timed:
                 secs, pre, forwards = pick(run.seconds), pick(run.prefill), pick(run.forwards)
-                tps = new / secs
+                tps = new * rounds / secs
                 if run.drafter == "ar":
                     ar_tps[dom] = tps
                 # weights read per second while decoding: one read per verification forward
@@ -280,7 +283,7 @@ def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_n
         "config": {
             "target": str(target.path), "engine": engine_dir, "prompts": len(prompts),
             "domains": domains, "max_new_tokens": max_new, "concurrency": batch_size,
-            "hf_batch_size": 1, "dcut": dcut,
+            "hf_batch_size": 1, "dcut": dcut, "rounds": rounds,
             "draft_len": engine.drafter("ngram").draft_len if "ngram" in names else draft_len,
             "greedy": True, "dtype": "float32", "threads": torch.get_num_threads(),
             "near_tie_eps": eps, "cpu": cpu_model(), "cores": os.cpu_count(),

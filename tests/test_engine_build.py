@@ -110,7 +110,7 @@ def test_bench_cli_with_engine_concurrency_dcut_and_auto(parts, tmp_path):
     cmd = [sys.executable, "-m", "angelspec.cli", "bench", "--engine", str(root / "engine"),
            "--prompts", str(root / "data" / "heldout.jsonl"), "--max-new-tokens", "16",
            "--drafters", "ar,ngram,dfly,auto", "--concurrency", "2", "--dcut", "both",
-           "--out", str(out)]
+           "--rounds", "2", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
@@ -119,6 +119,9 @@ def test_bench_cli_with_engine_concurrency_dcut_and_auto(parts, tmp_path):
         (d, c) for d in ("ngram", "dfly", "auto") for c in (False, True)}
     assert all(r["lossless"] and r["concurrency"] == 2 for r in res["results"])
     assert rows[("dfly", True, "all")]["tokens_per_s"] > 0
+    ar = rows[("ar", False, "all")]  # two rounds: the time of both, the tokens of one each time
+    assert res["config"]["rounds"] == 2
+    assert abs(ar["tokens_per_s"] - 2 * ar["new_tokens"] / ar["seconds"]) < 0.02 * ar["tokens_per_s"]
     assert rows[("dfly", True, "chat")]["tokens_per_s"] is None  # mixed batches: time for all only
     used = rows[("auto", True, "all")]["drafter_used"]
     assert sum(used.values()) == 6 and set(used) <= {"mtp", "dfly", "ngram"}
