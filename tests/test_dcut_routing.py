@@ -79,23 +79,26 @@ def test_a_slow_drafter_sits_out_under_dcut_and_output_stays_lossless(tiny):
     assert eng.gate.skipped > 0
 
 
-def test_ngram_confidence_is_its_acceptance_rate_at_each_depth():
+def test_ngram_confidence_is_its_acceptance_rate_at_each_depth_and_match_length():
     """Token k's confidence is the request's rate of accepting depth k once depths 1..k-1 were
-    accepted, scored against the tokens committed after each draft."""
+    accepted, scored against the tokens committed after each draft, for drafts from an n-gram
+    match of the same length n, starting from the rate over all matches."""
     from types import SimpleNamespace
 
     from angelspec.drafters import NgramDrafter
 
     ngram = NgramDrafter(draft_len=3)
     view = SimpleNamespace(tokens=[1, 2, 3, 4, 5, 1, 2, 3], drafter_state={})
-    p = ngram.propose([view])[0]
+    p = ngram.propose([view])[0]  # a 3-gram match
     assert p.tokens.tolist() == [4, 5, 1] and p.confidence.tolist() == [0.5, 0.5, 0.5]
     view.tokens += [4, 5, 1, 2]  # all three accepted, then the bonus token
-    p = ngram.propose([view])[0]
-    assert p.confidence.tolist() == pytest.approx([2 / 3] * len(p.tokens))
+    p = ngram.propose([view])[0]  # a 3-gram match again: its own 1/1 on top of all (2/3, worth 2)
+    assert p.tokens.tolist() == [3, 4, 5]
+    assert p.confidence.tolist() == pytest.approx([(1 + 2 * 2 / 3) / 3] * 3)
     view.tokens += [1]  # the first token (3) was rejected: depths 2 and 3 were not reached
-    p = ngram.propose([view])[0]
-    assert p.confidence.tolist()[:2] == pytest.approx([2 / 4, 2 / 3])
+    p = ngram.propose([view])[0]  # a 1-gram match, never seen: the rates over all matches
+    assert p.tokens.tolist() == [2, 1]
+    assert p.confidence.tolist() == pytest.approx([2 / 4, 2 / 3])
 
 
 def test_profiled_cost_table_grows_with_tokens(tiny):
