@@ -63,6 +63,17 @@ def test_gate_sits_out_a_drafter_that_costs_more_than_it_brings_and_probes_it():
     assert gate.plan(6, names, 0.01) == names
 
 
+def test_gate_never_benches_a_drafter_that_costs_next_to_nothing():
+    """Drafting at most CHEAP of the step: nothing to save by skipping it; D-cut alone trims
+    what it proposes, even after a run of rejected drafts."""
+    gate = DraftGate(lambda n: 0.03 + 0.001 * n)
+    for _ in range(10):
+        gate.observe("ngram", 2, seconds=0.0002, kept=6, accepted=0)  # 0.1 ms, nothing accepted
+        gate.observe("slow", 2, seconds=0.02, kept=6, accepted=0)  # 10 ms, nothing accepted
+    names = ["ngram", "ngram", "slow", "slow"]
+    assert gate.plan(1, names, 0.001) == ["ngram", "ngram", "none", "none"]
+
+
 def test_a_slow_drafter_sits_out_under_dcut_and_output_stays_lossless(tiny):
     class Slow(NoisyOracle):
         def propose(self, states):
