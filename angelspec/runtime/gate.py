@@ -14,11 +14,10 @@ up, one of its requests drafts as a probe and refreshes the estimates. Skipping 
 always lossless: a request that does not draft gets its next token from the verification
 forward, exactly as `none`. Only used with D-cut (D-cut off means fixed draft lengths).
 
-A drafter whose drafting costs at most CHEAP of the step (ngram: ~0.1 ms a request) always
+A drafter whose drafting costs at most CHEAP of the step (ngram) always
 drafts: then there is no drafting time to save, and what its drafts cost to verify is D-cut's
 call, made on each draft's own confidence. Judged by the running estimates instead, a run of
-failed copies would bench it for up to MAX_BACKOFF steps, and the matches in between go unused
-(at batch 1 it sat out half the steps).
+failed copies would bench it for up to MAX_BACKOFF steps, and the matches in between go unused.
 """
 from __future__ import annotations
 
