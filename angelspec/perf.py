@@ -4,8 +4,9 @@ For each D-cut setting a tritonserver is started on free ports with the engine; 
 (from tritonclient[all]==2.51.0) drives the ensemble over gRPC with streaming at each concurrency,
 with held-out prompts as input data, and exports every request's timestamps and streamed outputs.
 From those: output tokens/s (the streamed text re-tokenized), time to first token and inter-token
-latency p50/p99. The same prompts also run in-process, one at a time with the same engine, so the
-server's own overhead is measured in the same run. Writes perf.csv, perf.png and perf.json.
+latency p50/p99. At concurrency 1 the same prompts also run one at a time served and in-process
+with the same engine, taking turns prompt by prompt, so the server's own overhead is measured in
+the same run. Writes perf.csv, perf.png and perf.json.
 """
 from __future__ import annotations
 
@@ -116,25 +117,77 @@ def run_point(grpc_port: int, metrics_port: int, inputs: pathlib.Path, concurren
     return row
 
 
-def in_process(engine, prompt_ids: list[list[int]], drafter: str, max_tokens: int, count_tokens) -> dict:
-    """The same requests one at a time through the engine in this process, stepped exactly as
-    the served model's worker steps it: output tokens/s (counted as for the served text) and
-    mean step time."""
+def in_process(engine, ids: list[int], drafter: str, max_tokens: int, count_tokens) -> dict:
+    """One request through the engine in this process, stepped exactly as the served model's
+    worker steps it: output tokens (counted as for the served text), seconds, steps, step time."""
     from angelspec.runtime import Request, SamplingParams
 
-    tokens, steps, step_s, t0 = 0, 0, 0.0, time.perf_counter()
-    for i, ids in enumerate(prompt_ids):
-        engine.submit(Request(ids, SamplingParams(max_new_tokens=max_tokens), drafter), i)
-        out = []
-        while engine.busy:
-            t = time.perf_counter()
-            events = engine.step()
-            step_s += time.perf_counter() - t
-            steps += 1
-            out += [tok for e in events for tok in e.tokens]
-        tokens += count_tokens(engine.target.decode(out))
-    return {"output_tok_s": round(tokens / (time.perf_counter() - t0), 2),
-            "step_ms": round(1e3 * step_s / steps, 2)}
+    steps, step_s, out, t0 = 0, 0.0, [], time.perf_counter()
+    engine.submit(Request(ids, SamplingParams(max_new_tokens=max_tokens), drafter), 0)
+    while engine.busy:
+        t = time.perf_counter()
+        events = engine.step()
+        step_s += time.perf_counter() - t
+        steps += 1
+        out += [tok for e in events for tok in e.tokens]
+    return {"tokens": count_tokens(engine.target.decode(out)), "seconds": time.perf_counter() - t0,
+            "steps": steps, "step_s": step_s}
+
+
+def served(client, results, metrics_port: int, prompt: str, drafter: str, max_tokens: int,
+           count_tokens) -> dict:
+    """One streamed request through the ensemble over gRPC (`client` streaming into the queue
+    `results`): output tokens, seconds to the last response, and the engine's steps for it."""
+    import tritonclient.grpc as grpcclient
+
+    from angelspec.client import inputs
+
+    before = server_counters(metrics_port)
+    text, t0 = [], time.perf_counter()
+    client.async_stream_infer("ensemble", inputs(grpcclient, prompt, max_tokens, True, drafter, 0.0, None))
+    while True:
+        result, error = results.get(timeout=600)
+        if error is not None:
+            raise RuntimeError(f"served request failed: {error}")
+        text.append(result.as_numpy("text_output").reshape(-1)[0].decode("utf-8"))
+        if result.get_response().parameters["triton_final_response"].bool_param:
+            break
+    seconds = time.perf_counter() - t0
+    after = server_counters(metrics_port)
+    return {"tokens": count_tokens("".join(text)), "seconds": seconds,
+            "steps": after["steps"] - before["steps"], "step_s": after["step_s"] - before["step_s"]}
+
+
+def overhead(engine, grpc_port: int, metrics_port: int, prompts: list[str], prompt_ids: list[list[int]],
+             drafter: str, max_tokens: int, count_tokens) -> dict:
+    """What serving through Triton costs: each prompt runs served (one streamed gRPC request, the
+    server otherwise idle) and in-process (the same engine settings in this process), back to
+    back, the order alternating from prompt to prompt, so this machine's drift hits both alike.
+    -> output tokens/s end to end and the mean engine step, both ways."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    runs = {"served": [], "in_process": []}
+    try:
+        for i, (prompt, ids) in enumerate(zip(prompts, prompt_ids)):
+            pair = [("served", lambda: served(client, results, metrics_port, prompt, drafter,
+                                              max_tokens, count_tokens)),
+                    ("in_process", lambda: in_process(engine, ids, drafter, max_tokens, count_tokens))]
+            for way, fn in pair[::1 if i % 2 == 0 else -1]:
+                runs[way].append(fn())
+    finally:
+        client.stop_stream()
+        client.close()
+    out = {}
+    for way, rs in runs.items():
+        total = {k: sum(r[k] for r in rs) for k in ("tokens", "seconds", "steps", "step_s")}
+        out[f"{way}_tok_s"] = round(total["tokens"] / total["seconds"], 2)
+        out[f"{way}_step_ms"] = round(1e3 * total["step_s"] / max(total["steps"], 1), 2)
+    return out
 
 
 def plot(rows: list[dict], path: pathlib.Path) -> None:
@@ -197,7 +250,7 @@ def sweep(engine_dir: str, prompts: list[str], drafters: list[str], dcuts: list[
     env = perf_analyzer_env(out / "libs")
     target = None  # the first engine's; later engines share it
     served_by = {dcut: [d for d in drafters if d != "none" or dcut == dcuts[0]] for dcut in dcuts}
-    rows, overhead = [], {}
+    rows, costs = [], {}
     log = (out / "perf_analyzer.log").open("w")
     bar = tqdm(total=sum(len(v) for v in served_by.values()) * len(concurrencies), desc="perf", unit="point")
     for dcut, mine in served_by.items():
@@ -223,11 +276,10 @@ def sweep(engine_dir: str, prompts: list[str], drafters: list[str], dcuts: list[
                                     out / f"export-{dcut}-{d}-{n}.json", max(min_requests, 2 * n),
                                     env, count, log)
                     rows.append({"dcut": dcut, "drafter": d, "concurrency": n, **row})
-                    if n == 1:  # the same requests in-process, right after: the server's overhead
-                        local = in_process(engine, prompt_ids[:min_requests], d, max_tokens, count)
-                        overhead[f"{d}, D-cut {dcut}"] = {
-                            "served_tok_s": row["output_tok_s"], "in_process_tok_s": local["output_tok_s"],
-                            "served_step_ms": row["step_ms"], "in_process_step_ms": local["step_ms"]}
+                    if n == 1:  # the server's own overhead, served and in-process interleaved
+                        costs[f"{d}, D-cut {dcut}"] = overhead(
+                            engine, ports["grpc"], ports["metrics"], prompts[:min_requests],
+                            prompt_ids[:min_requests], d, max_tokens, count)
                     bar.update(1)
             del engine
         finally:
@@ -244,7 +296,7 @@ def sweep(engine_dir: str, prompts: list[str], drafters: list[str], dcuts: list[
             w.writerow({k: r.get(k) for k in FIELDS})
     plot(rows, out / "perf.png")
     result = {"engine": engine_dir, "max_tokens": max_tokens, "prompts": len(prompts),
-              "min_requests": min_requests, "rows": rows, "overhead": overhead}
+              "min_requests": min_requests, "rows": rows, "overhead": costs}
     (out / "perf.json").write_text(json.dumps(result, indent=1))
     return result
 
@@ -398,6 +450,7 @@ def run(args) -> int:
     for name, o in result["overhead"].items():
         print(f"  {name}: {o['served_tok_s']} vs {o['in_process_tok_s']} tok/s "
               f"({o['in_process_tok_s'] / o['served_tok_s'] - 1:+.1%} cost through Triton); step "
-              f"{o['served_step_ms']} vs {o['in_process_step_ms']} ms")
+              f"{o['served_step_ms']} vs {o['in_process_step_ms']} ms "
+              f"({o['served_step_ms'] / o['in_process_step_ms'] - 1:+.1%})")
     print(f"wrote {args.out}/perf.csv, perf.png, perf.json")
     return 0
