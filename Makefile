@@ -22,7 +22,7 @@ help:
 	@echo "make target  convert the default target (SmolLM2-135M-Instruct) into $(TARGET)"
 	@echo "make bench   full side-by-side benchmark (ar, ngram, hf) -> build/bench.json"
 	@echo "make data    training data: prompts, the target's own responses, cached features"
-	@echo "make drafts  data + train mtp, dflash, dfly (PRESET=quick|full; resumes if stopped)"
+	@echo "make drafts  data + ngram datastore + train mtp, dflash, dfly (PRESET=quick|full; resumes if stopped)"
 	@echo "make bench-drafts  ar, ngram, mtp, dflash, dfly on the held-out prompts"
 	@echo "make engines build $(ENGINE): target + drafts, router, backend, D-cut profile (after make drafts)"
 	@echo "make bench-engine  the engine at batch 1 (auto routing) and 16 in flight (D-cut on/off)"
@@ -59,7 +59,7 @@ data: target
 	$(VENV)/bin/angelspec data --target $(TARGET) --out $(DATA) $(DATA_ARGS_$(PRESET))
 
 drafts: data
-	for r in mtp dflash dfly; do \
+	for r in ngram mtp dflash dfly; do \
 	  $(VENV)/bin/angelspec train --recipe $$r --preset $(PRESET) --target $(TARGET) \
 	    --set data=$(DATA) --set out=$(DRAFTS)/$$r || exit 1; done
 

@@ -20,8 +20,8 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from angelspec.bench import DEFAULT_PROMPTS, load_prompts
-from angelspec.checkpoint import load_target
-from angelspec.drafters import TRAINED, make_drafter
+from angelspec.checkpoint import CheckpointError, load_target
+from angelspec.drafters import TRAINED, Datastore, make_drafter
 from angelspec.plugins import RATIOS, SKINNY_MAX_ROWS
 from angelspec.runtime.cost import fingerprint, profile
 from angelspec.runtime.engine_dir import FORMAT, MANIFEST, sha256
@@ -101,6 +101,12 @@ def build(target_dir: str, drafts_dir: str, out: str, data_dir: str | None = Non
         specs[kind] = {"kind": kind, "path": f"drafts/{kind}", "max_draft_len": d.draft_len,
                        "target_layer_ids": list(d.cfg.target_layers),
                        "draft_vocab": len(d.frozen.vocab_ids)}
+    specs["ngram"] = {"kind": "ngram", "max_draft_len": 3}
+    store = drafts_dir / "ngram"
+    if (store / Datastore.FILE).exists():  # the datastore of the target's own responses
+        if Datastore.load(store, target) is None:
+            raise CheckpointError(f"{store} was built with another tokenizer than {target_dir}'s")
+        specs["ngram"]["path"] = "drafts/ngram"
     bar.update()
 
     bar.set_postfix_str("copying parts")
@@ -113,6 +119,9 @@ def build(target_dir: str, drafts_dir: str, out: str, data_dir: str | None = Non
     for kind in kinds:
         for f in DRAFT_FILES:
             _place(drafts_dir / kind / f, out / "drafts" / kind / f)
+    if "path" in specs["ngram"]:
+        for f in ("config.json", Datastore.FILE):
+            _place(store / f, out / "drafts" / "ngram" / f)
     bar.update()
 
     bar.set_postfix_str("router")
@@ -150,7 +159,7 @@ def build(target_dir: str, drafts_dir: str, out: str, data_dir: str | None = Non
                    "architecture": target.config.architecture,
                    "hidden_size": target.config.hidden_size, "vocab_size": target.config.vocab_size,
                    "num_layers": target.config.num_layers, "tokenizer_sha256": target.tokenizer_hash()},
-        "drafters": {**specs, "ngram": {"kind": "ngram", "max_draft_len": 3}},
+        "drafters": specs,
         "defaults": {"drafter": "auto" if router else (kinds[0] if kinds else "ngram"), "dcut": dcut},
         "router": router,
         "backend": backend,

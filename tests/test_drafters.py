@@ -1,5 +1,6 @@
 """Trained drafters (mtp, dfly, dflash) on tiny random targets: the block mask, the TTT rollout,
-the AR head at initialisation, training equals serving, checkpoints, and lossless decoding."""
+the AR head at initialisation, training equals serving, checkpoints, and lossless decoding; and
+the ngram drafter's datastore."""
 import pytest
 import torch
 
@@ -251,3 +252,27 @@ def test_serving_options(target8, tmp_path):
     for bad in ("dfly:block=4", "dfly:draft_vocab=10", "dfly:rescore"):
         with pytest.raises(ValueError, match="dfly"):
             eng.drafter(bad)
+
+
+def test_ngram_datastore_picks_the_most_frequent_continuation_and_round_trips(tmp_path):
+    """The datastore keeps, per n-gram, the continuation that most often followed it (token by
+    token); the drafter prefers a context match of 2+ tokens, then the datastore, then a context
+    1-gram; a datastore built with another tokenizer is refused with a warning."""
+    from types import SimpleNamespace
+
+    from angelspec.drafters import Datastore, NgramDrafter
+
+    seqs = [[1, 2, 3, 4, 5], [1, 2, 3, 4, 6], [9, 2, 3, 7, 8], [2, 3, 4, 5]]
+    store = Datastore.build(seqs, max_ngram=2, width=3)
+    assert store.lookup([50, 2, 3], 3) == ([4, 5], 2)  # 4 follows "2 3" 3 of 4 times, then 5 (2 of 3)
+    assert store.lookup([50, 9], 2) == ([2, 3], 1)
+    assert store.lookup([50, 51], 2) == ([], 0)
+    store.save(tmp_path / "ngram", {"tokenizer_hash": "abc"})
+    same = SimpleNamespace(tokenizer_hash=lambda: "abc", path="t")
+    assert Datastore.load(tmp_path / "ngram", same).table == store.table
+    with pytest.warns(UserWarning, match="tokenizer differs"):
+        assert Datastore.load(tmp_path / "ngram", SimpleNamespace(tokenizer_hash=lambda: "xyz", path="t")) is None
+    d = NgramDrafter(draft_len=2, datastore=store)
+    assert d.draft([2, 3, 9, 9, 2, 3]) == ([9, 9], "ctx2")  # the context's own 2-gram wins
+    assert d.draft([7, 0, 5, 2, 3]) == ([4, 5], "ds2")  # no context 2-gram: the datastore
+    assert d.draft([44, 0, 44]) == ([0, 44], "ctx1")  # nothing in the datastore: a 1-gram copy

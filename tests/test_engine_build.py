@@ -8,6 +8,7 @@ import torch
 
 from angelspec.builders.build import build
 from angelspec.checkpoint import load_target
+from angelspec.drafters import Datastore
 from angelspec.drafters.draft_checkpoint import save_draft
 from angelspec.runtime import Engine, Request, SamplingParams
 from angelspec.runtime.engine_dir import EngineError, load_engine, read_manifest
@@ -23,6 +24,9 @@ def parts(tmp_path_factory):
     for kind, vocab in (("mtp", 60), ("dfly", 60), ("dflash", 0)):
         cfg, model = draft(target, kind, vocab=vocab)
         save_draft(root / "drafts" / kind, cfg, model.state_dict())
+    g = torch.Generator().manual_seed(5)
+    Datastore.build([torch.randint(1, 96, (50,), generator=g).tolist() for _ in range(4)]).save(
+        root / "drafts" / "ngram", {"tokenizer_hash": target.tokenizer_hash()})
     (root / "data").mkdir()
     rows = [{"prompt": p, "domain": d} for d, ps in
             (("chat", ["hello there, how are you", "tell me a story about a cat"]),
@@ -41,7 +45,9 @@ def test_manifest_names_every_part_with_checksums(parts):
     assert m == read_manifest(root / "engine")
     assert set(m["drafters"]) == {"mtp", "dfly", "dflash", "ngram"}
     assert m["defaults"] == {"drafter": "auto", "dcut": True}
+    assert m["drafters"]["ngram"]["path"] == "drafts/ngram"
     assert {"target/model.safetensors", "drafts/dfly/model.safetensors", "router.safetensors",
+            "drafts/ngram/datastore.safetensors",
             "trtllm/speculative.yaml", "trtllm/dflash/model.safetensors"} <= set(m["files"])
     assert m["backend"]["chosen"] == "eager" and m["dcut"]["profile"]["n"][-1] == 16
     assert m["router"]["accuracy"]["heldout"]["n"] == 6
@@ -52,6 +58,7 @@ def test_engine_serves_every_drafter_losslessly(parts):
     root, target, _ = parts
     eng = load_engine(root / "engine", max_batch=3, max_len=200)
     assert eng.dcut and eng.router is not None
+    assert eng.drafter("ngram").datastore.table == Datastore.load(root / "drafts" / "ngram").table
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(1, 96, (n,), generator=g).tolist() for n in (3, 11, 40)]
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)

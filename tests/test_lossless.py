@@ -61,6 +61,22 @@ def test_greedy_speculative_output_equals_autoregressive(tiny, batch, draft_len)
     assert sum(s.accepted for s in stats) > sum(s.steps for s in stats) * 0.3
 
 
+@pytest.mark.parametrize("batch", [1, 4])
+def test_ngram_with_a_datastore_is_lossless(tiny, batch):
+    """Datastore drafts (here from the true outputs of half the prompts, and random sequences)
+    are verified like any others: the output stays the autoregressive one."""
+    from angelspec.drafters import Datastore, NgramDrafter
+
+    ps = prompts(6)
+    ref = autoregressive(tiny, ps, 40)
+    store = Datastore.build([p + r for p, r in zip(ps[:3], ref[:3])] + prompts(6, seed=1))
+    eng = Engine(tiny, max_batch=batch, max_len=256,
+                 drafters={"ngram": NgramDrafter(draft_len=4, datastore=store)})
+    results = eng.generate([Request(p, SamplingParams(max_new_tokens=40), "ngram") for p in ps])
+    assert [r.tokens for r in results] == ref
+    assert sum(r.stats.accepted for r in results[:3]) > sum(r.stats.accepted for r in results[3:])
+
+
 def test_kv_rollback_leaves_cache_equal_to_fresh_prefill(tiny):
     ps = prompts(3)
     ref = autoregressive(tiny, ps, 30)

@@ -65,6 +65,25 @@ def test_training_reduces_the_loss(tiny_data, kind):
     assert (cfg.kind, cfg.trained_steps, cfg.target) == (kind, 40, str(target.path))
 
 
+def test_ngram_recipe_builds_the_datastore_from_the_targets_responses(tiny_data):
+    from angelspec.drafters import Datastore, make_drafter
+    from angelspec.training.data import Sequences
+
+    target, root = tiny_data
+    r = load_recipe("ngram", "quick", [f"data={root / 'data'}", f"out={root / 'drafts' / 'ngram'}"])
+    result = train(r, target, progress=False)
+    seqs = Sequences(root / "data", layers=[])
+    items = [seqs.ids(i) for i in range(len(seqs))]
+    assert result["tokens"] == sum(len(it["tokens"]) - it["prompt_len"] + 1 for it in items)
+    store = make_drafter("ngram", None, target, root / "drafts").datastore
+    assert store.table == Datastore.load(root / "drafts" / "ngram").table and len(store.table) > 0
+    first = items[0]["tokens"].tolist()[items[0]["prompt_len"] - 1:]
+    assert first[1] in [c[0] for k, c in store.table.items() if k == (first[0],)]
+    make_checkpoint(root / "other", num_hidden_layers=6, seed=4)
+    with pytest.raises(ValueError, match="another target"):
+        train(r, load_target(root / "other", max_len=512), progress=False)
+
+
 def test_training_resumes(tiny_data):
     target, root = tiny_data
     r = recipe("dfly", root, steps=6, save_every=3)

@@ -1,11 +1,13 @@
 """Drafter registry. `none` (shown as `ar`) is plain autoregressive decoding; `ngram` needs no
-training; `mtp`, `dfly` and `dflash` load a trained draft (`<drafts>/<name>/`) for the target."""
+training (it uses `<drafts>/ngram/`, the datastore of the target's own responses, when there is
+one; `ngram:datastore=0` does without); `mtp`, `dfly` and `dflash` load a trained draft
+(`<drafts>/<name>/`) for the target."""
 import pathlib
 
 from angelspec.drafters.base import Drafter, Proposal
 from angelspec.drafters.dfly import DFlashDrafter, DFlyDrafter
 from angelspec.drafters.mtp import MTPDrafter
-from angelspec.drafters.ngram import NgramDrafter
+from angelspec.drafters.ngram import Datastore, NgramDrafter
 
 ALIASES = {"ar": "none"}
 DRAFTERS = {"none": Drafter, "ngram": NgramDrafter, "mtp": MTPDrafter, "dfly": DFlyDrafter,
@@ -51,11 +53,15 @@ def make_drafter(name: str, draft_len: int | None = None, target=None,
             if target is None:
                 raise ValueError(f"the {key} drafter needs the target it was trained for")
             return cls(target, pathlib.Path(drafts or DEFAULT_DRAFTS) / key, **options)
+        if key == "ngram" and options.pop("datastore", 1) and drafts is not None:
+            folder = pathlib.Path(drafts) / "ngram"
+            if (folder / Datastore.FILE).exists():
+                options["datastore"] = Datastore.load(folder, target)
         return cls(**options)
     except TypeError as exc:
         raise ValueError(f"drafter {name!r}: unsupported option ({exc})") from exc
 
 
-__all__ = ["ALIASES", "DEFAULT_DRAFTS", "Drafter", "Proposal", "NgramDrafter", "MTPDrafter",
+__all__ = ["ALIASES", "DEFAULT_DRAFTS", "Datastore", "Drafter", "Proposal", "NgramDrafter", "MTPDrafter",
            "DFlyDrafter", "DFlashDrafter", "TRAINED", "canonical", "make_drafter", "parse_spec",
            "DRAFTERS"]

@@ -1,6 +1,14 @@
-"""Prompt-lookup (n-gram) drafting: copy what followed the last earlier occurrence of the context's
-most recent n-gram. Training-free; strong where outputs repeat their input (code edits, quotes)."""
+"""N-gram drafting: copy what followed the last earlier occurrence of the context's most recent
+n-gram (prompt lookup: strong where outputs repeat their input, code edits, quotes), and, where the
+context has no match of 2 tokens or more, what most often followed it in the target's own
+responses to the training prompts (a datastore built from the data step: the phrasing a model
+repeats from answer to answer). Neither needs a forward pass; the datastore is a dict lookup."""
 from __future__ import annotations
+
+import collections
+import json
+import pathlib
+import warnings
 
 import torch
 
@@ -21,43 +29,142 @@ def lookup(tokens: list[int], k: int, max_ngram: int = 3,
     return [], 0
 
 
+class Datastore:
+    """Every n-gram (n = 1..max_ngram) of a set of token sequences -> the continuation (up to
+    `width` tokens) that most often followed it, chosen token by token (the most frequent first
+    token, then the most frequent second among the continuations that start with it, ...)."""
+    FILE = "datastore.safetensors"
+
+    def __init__(self, table: dict[tuple, list[int]], max_ngram: int):
+        self.table, self.max_ngram = table, max_ngram
+
+    @classmethod
+    def build(cls, sequences, max_ngram: int = 4, width: int = 8, progress=None) -> "Datastore":
+        seen: dict[tuple, collections.Counter] = {}
+        for seq in sequences:
+            for i in range(1, len(seq)):
+                cont = tuple(seq[i:i + width])
+                for n in range(1, min(max_ngram, i) + 1):
+                    seen.setdefault(tuple(seq[i - n:i]), collections.Counter())[cont] += 1
+            if progress:
+                progress(len(seq))
+        table = {}
+        for key, conts in seen.items():
+            best = []
+            for d in range(width):
+                firsts = collections.Counter()
+                for cont, c in conts.items():
+                    if len(cont) > d:
+                        firsts[cont[d]] += c
+                if not firsts:
+                    break
+                tok = firsts.most_common(1)[0][0]
+                best.append(tok)
+                conts = {cont: c for cont, c in conts.items() if len(cont) > d and cont[d] == tok}
+            table[key] = best
+        return cls(table, max_ngram)
+
+    def lookup(self, tokens: list[int], k: int) -> tuple[list[int], int]:
+        """Up to k tokens that most often followed the longest suffix n-gram found, and that n."""
+        for n in range(min(self.max_ngram, len(tokens)), 0, -1):
+            hit = self.table.get(tuple(tokens[-n:]))
+            if hit:
+                return hit[:k], n
+        return [], 0
+
+    def save(self, folder: str | pathlib.Path, info: dict) -> None:
+        """<folder>/datastore.safetensors (keys and continuations, -1 padded) + config.json."""
+        from safetensors.torch import save_file
+
+        folder = pathlib.Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        width = max((len(v) for v in self.table.values()), default=1)
+        keys = torch.full((len(self.table), self.max_ngram), -1, dtype=torch.int32)
+        conts = torch.full((len(self.table), width), -1, dtype=torch.int32)
+        for i, (key, cont) in enumerate(self.table.items()):
+            keys[i, :len(key)] = torch.tensor(key, dtype=torch.int32)
+            conts[i, :len(cont)] = torch.tensor(cont, dtype=torch.int32)
+        save_file({"keys": keys, "continuations": conts}, str(folder / self.FILE))
+        (folder / "config.json").write_text(json.dumps(
+            {"kind": "ngram", "max_ngram": self.max_ngram, "entries": len(self.table), **info}, indent=1))
+
+    @classmethod
+    def load(cls, folder: str | pathlib.Path, target=None) -> "Datastore | None":
+        """The datastore in `folder`, or None (with a warning) if it was built with another
+        tokenizer than `target`'s: its token ids would mean other words."""
+        from safetensors.torch import load_file
+
+        folder = pathlib.Path(folder)
+        info = json.loads((folder / "config.json").read_text())
+        theirs = target.tokenizer_hash() if target is not None else None
+        if theirs and info.get("tokenizer_hash") and info["tokenizer_hash"] != theirs:
+            warnings.warn(f"{folder} was built from {info.get('target')}, whose tokenizer differs from "
+                          f"{target.path}'s: ngram drafts from the context only", stacklevel=2)
+            return None
+        d = load_file(str(folder / cls.FILE))
+        table = {}
+        for key, cont in zip(d["keys"].tolist(), d["continuations"].tolist()):
+            table[tuple(t for t in key if t >= 0)] = [t for t in cont if t >= 0]
+        return cls(table, info["max_ngram"])
+
+
 class NgramDrafter(Drafter):
     """Confidence: no logits here, so token k of a draft gets the request's running rate of
     acceptance at depth k given the k-1 before it were accepted, measured by scoring each draft
     against the tokens committed after it, and kept apart by the length n of the n-gram that
-    matched. Copies come in runs: once the first token matches, the next ones usually do too,
-    which one overall rate per token misses (D-cut's survival products would then cut the long
-    matches). And a 3-gram match copies far better than a 1-gram one. The rate for (n, k) starts
-    from the request's rate at depth k over all n (worth 2 observations), which starts from 1/2
-    (Laplace)."""
+    matched and by where it matched (the context or the datastore). Copies come in runs: once
+    the first token matches, the next ones usually do too, which one overall rate per token misses
+    (D-cut's survival products would then cut the long matches). And a 3-gram match copies far
+    better than a 1-gram one. The rate for (match, k) starts from the request's rate at depth k
+    over all matches (worth 2 observations), which starts from 1/2 (Laplace).
+
+    Order: a context match of 2 tokens or more, else the datastore's longest match, else a
+    context 1-gram match."""
     name = "ngram"
 
-    def __init__(self, draft_len: int = 3, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, draft_len: int = 3, max_ngram: int = 3, min_ngram: int = 1,
+                 datastore: Datastore | None = None):
         super().__init__(draft_len)
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.datastore = datastore
+
+    def draft(self, tokens: list[int]) -> tuple[list[int], str]:
+        """A draft and where it matched ("ctx<n>" or "ds<n>"; "" when nothing matched)."""
+        draft, n = lookup(tokens, self.draft_len, self.max_ngram, max(self.min_ngram, 2))
+        if draft:
+            return draft, f"ctx{n}"
+        if self.datastore is not None:
+            draft, n = self.datastore.lookup(tokens, self.draft_len)
+            if draft:
+                return draft, f"ds{n}"
+        if self.min_ngram <= 1:
+            draft, n = lookup(tokens, self.draft_len, 1, 1)
+            if draft:
+                return draft, "ctx1"
+        return [], ""
 
     def propose(self, states: list) -> list[Proposal]:
         out = []
         for s in states:
             st = s.drafter_state
-            # [reached, accepted] per depth k, over all matches ("all") and per matched n
+            # [reached, accepted] per depth k, over all matches ("all") and per kind of match
             seen_at = st.setdefault("seen", {})
             if "last" in st:  # score the previous draft against what was committed after it
-                start, n, prev = st.pop("last")
+                start, match, prev = st.pop("last")
                 seen = s.tokens[start: start + len(prev)]
                 m = 0
                 while m < len(seen) and seen[m] == prev[m]:
                     m += 1
-                for key in ("all", n):
+                for key in ("all", match):
                     rows = seen_at.setdefault(key, [])
                     for k in range(min(m + 1, len(seen))):
                         if k == len(rows):
                             rows.append([0, 0])
                         rows[k][0] += 1
                         rows[k][1] += k < m
-            draft, n = lookup(s.tokens, self.draft_len, self.max_ngram, self.min_ngram)
-            st["last"] = (len(s.tokens), n, draft)
-            overall, mine = seen_at.get("all", []), seen_at.get(n, [])
+            draft, match = self.draft(s.tokens)
+            st["last"] = (len(s.tokens), match, draft)
+            overall, mine = seen_at.get("all", []), seen_at.get(match, [])
             conf = []
             for k in range(len(draft)):
                 prior = (overall[k][1] + 1) / (overall[k][0] + 2) if k < len(overall) else 0.5
