@@ -104,7 +104,7 @@ def build(target_dir: str, drafts_dir: str, out: str, data_dir: str | None = Non
     specs["ngram"] = {"kind": "ngram", "max_draft_len": 3}
     store = drafts_dir / "ngram"
     if (store / Datastore.FILE).exists():  # the datastore of the target's own responses
-        if Datastore.load(store, target) is None:
+        if not Datastore.fits(store, target):
             raise CheckpointError(f"{store} was built with another tokenizer than {target_dir}'s")
         specs["ngram"]["path"] = "drafts/ngram"
     bar.update()

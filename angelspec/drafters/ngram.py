@@ -88,16 +88,22 @@ class Datastore:
         (folder / "config.json").write_text(json.dumps(
             {"kind": "ngram", "max_ngram": self.max_ngram, "entries": len(self.table), **info}, indent=1))
 
+    @staticmethod
+    def fits(folder: str | pathlib.Path, target) -> bool:
+        """Whether the datastore in `folder` was built with `target`'s tokenizer (or either hash
+        is unknown): with another, its token ids would mean other words."""
+        mine = json.loads((pathlib.Path(folder) / "config.json").read_text()).get("tokenizer_hash")
+        theirs = target.tokenizer_hash() if target is not None else None
+        return not (mine and theirs and mine != theirs)
+
     @classmethod
     def load(cls, folder: str | pathlib.Path, target=None) -> "Datastore | None":
-        """The datastore in `folder`, or None (with a warning) if it was built with another
-        tokenizer than `target`'s: its token ids would mean other words."""
+        """The datastore in `folder`, or None (with a warning) if it does not fit `target`."""
         from safetensors.torch import load_file
 
         folder = pathlib.Path(folder)
         info = json.loads((folder / "config.json").read_text())
-        theirs = target.tokenizer_hash() if target is not None else None
-        if theirs and info.get("tokenizer_hash") and info["tokenizer_hash"] != theirs:
+        if not cls.fits(folder, target):
             warnings.warn(f"{folder} was built from {info.get('target')}, whose tokenizer differs from "
                           f"{target.path}'s: ngram drafts from the context only", stacklevel=2)
             return None
