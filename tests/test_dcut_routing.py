@@ -9,7 +9,7 @@ from angelspec.drafters import Drafter, Proposal
 from angelspec.runtime import Engine, Request, SamplingParams
 from angelspec.runtime.cost import CostTable, fingerprint, profile
 from angelspec.runtime.gate import DraftGate
-from angelspec.runtime.router import DomainClassifier, Router, contenders
+from angelspec.runtime.router import DomainClassifier, DrafterEvidence, RouteState, Router, contenders
 from test_lossless import NoisyOracle, autoregressive, prompts
 
 
@@ -41,6 +41,8 @@ def test_dcut_is_lossless_and_cuts_when_tokens_are_dear(tiny, per_token, batch):
                  cost=table(per_token))
     out = eng.generate([Request(p, SamplingParams(max_new_tokens=30), "oracle") for p in ps])
     assert [r.tokens for r in out] == ref
+    # the real forwards calibrate the table, per number of requests in a forward
+    assert batch in eng.fwd_offset and set(eng.fwd_offset) <= set(range(1, batch + 1))
     if per_token == 0.0:  # verifying is free: nothing is cut
         assert eng.dcut_kept == eng.dcut_drafted
     if per_token == 0.05:  # a token costs more than a 0.7-confidence draft brings
@@ -166,3 +168,30 @@ def test_domain_classifier_learns_token_statistics():
     test = [make(0, 30), make(40, 60), make(70, 97)]
     assert [clf.predict(x) for x in test] == ["chat", "code", "math"]
     assert clf.accuracy(xs, ys) > 0.9
+
+
+def test_router_prices_drafting_time_at_the_engines_load():
+    """One request's slow drafter delays the whole batch: worth switching to at batch 1, not
+    under load, where it is not even shadow-drafted any more."""
+    cost = lambda n: 0.025 + 0.002 * (n - 1)  # noqa: E731
+    for rate, rows, switch in ((57.0, 4, True), (200.0, 40, False)):
+        router = Router(None, candidates=("ngram", "mtp"), min_obs=1, margin=0.1)
+        router.draft_seconds = {"ngram": 0.0001, "mtp": 0.012}
+        for _ in range(50):
+            router.add_step(rows / rate, rows, rows)  # rows tokens per step: rate tokens/s
+        route = RouteState("chat", ("ngram", "mtp"))
+        route.evidence["mtp"] = DrafterEvidence(2, accepted=4, drafted=6)  # 2 of 3 accepted
+        route.evidence["ngram"] = DrafterEvidence(1, accepted=1, drafted=3)
+        assert router.could_win(route, "mtp", "ngram", cost) == switch
+        assert router.observe(route, "ngram", 1, 3, [], cost) == ("mtp" if switch else "ngram")
+
+
+def test_route_cost_is_the_cost_tables_curve():
+    from angelspec.plugins import interpolate_cost
+    from angelspec.runtime.router import route_cost
+
+    t = CostTable([1, 2, 4, 8, 16, 32], [0.0266, 0.0297, 0.0337, 0.0448, 0.0528, 0.119], fingerprint())
+    c, (n, s) = route_cost(t), t.tensors()
+    for k in (0, 0.5, 1, 1.7, 5.5, 13.25, 31.9, 32, 33.5, 200):
+        ref = interpolate_cost(torch.tensor([float(k)], dtype=torch.float64), n, s)
+        assert c(k) == pytest.approx(float(ref[0]), rel=1e-12)

@@ -276,3 +276,24 @@ def test_ngram_datastore_picks_the_most_frequent_continuation_and_round_trips(tm
     assert d.draft([2, 3, 9, 9, 2, 3]) == ([9, 9], "ctx2")  # the context's own 2-gram wins
     assert d.draft([7, 0, 5, 2, 3]) == ([4, 5], "ds2")  # no context 2-gram: the datastore
     assert d.draft([44, 0, 44]) == ([0, 44], "ctx1")  # nothing in the datastore: a 1-gram copy
+
+
+def test_ngram_context_index_matches_a_scan_of_the_whole_context():
+    """The incremental index finds what scanning the context finds: the most recent earlier
+    occurrence of the longest suffix n-gram, as the context grows a few tokens at a time."""
+    from angelspec.drafters.ngram import ContextIndex
+
+    def scan(tokens, k, max_n, min_n):
+        for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+            for j in range(len(tokens) - n - 1, -1, -1):
+                if tokens[j:j + n] == tokens[len(tokens) - n:]:
+                    return tokens[j + n: j + n + k], n
+        return [], 0
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        tokens, index = torch.randint(0, 6, (3,), generator=g).tolist(), ContextIndex(3)
+        while len(tokens) < 80:
+            for max_n, min_n in ((3, 2), (1, 1), (3, 1)):
+                assert index.lookup(tokens, 4, max_n, min_n) == scan(tokens, 4, max_n, min_n)
+            tokens += torch.randint(0, 6, (int(torch.randint(1, 5, (), generator=g)),), generator=g).tolist()

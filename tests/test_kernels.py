@@ -16,7 +16,7 @@ for out_f, in_f in [(3072, 576), (577, 100), (7, 13), (50, 1536)]:
     y = ops.linear(x, w)
     ref = (x.double() @ w.double().t()).float()
     assert (y - ref).abs().max() < 1e-3 * in_f ** 0.5, (out_f, in_f)
-    for n in (1, 2, 3, 5, 8):
+    for n in (1, 2, 3, 5, 7, 8):
         assert torch.equal(ops.linear(x[:n], w), y[:n]), (out_f, in_f, n)
     assert torch.equal(ops.linear(x[4:5], w), y[4:5])
 # attention: a row's result is the same alone or with others, and matches SDPA

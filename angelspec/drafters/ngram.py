@@ -15,18 +15,30 @@ import torch
 from angelspec.drafters.base import Drafter, Proposal
 
 
-def lookup(tokens: list[int], k: int, max_ngram: int = 3,
-           min_ngram: int = 1) -> tuple[list[int], int]:
-    """Up to k tokens that followed the most recent earlier match of the longest suffix n-gram,
-    and that n (0: no match)."""
-    n_tok = len(tokens)
-    for n in range(min(max_ngram, n_tok - 1), min_ngram - 1, -1):
-        suffix = tokens[n_tok - n:]
-        first = suffix[0]
-        for j in range(n_tok - n - 1, -1, -1):  # most recent occurrence first
-            if tokens[j] == first and tokens[j:j + n] == suffix:
+class ContextIndex:
+    """Prompt lookup over a growing token list: the latest start of every 1..max_ngram-gram of
+    the list without its last token (so a match is always followed by something to copy),
+    updated with each call's new tokens. A request keeps one, so a lookup costs a few dict
+    reads instead of a scan of its whole context every step."""
+
+    def __init__(self, max_ngram: int = 3):
+        self.max_ngram = max_ngram
+        self.last: dict[tuple, int] = {}
+        self.indexed = 0  # n-grams ending before this position are in `last`
+
+    def lookup(self, tokens: list[int], k: int, max_ngram: int = 3,
+               min_ngram: int = 1) -> tuple[list[int], int]:
+        """Up to k tokens that followed the most recent earlier match of the longest suffix n-gram
+        (min_ngram <= n <= max_ngram), and that n (0: no match)."""
+        for end in range(self.indexed + 1, len(tokens)):  # n-grams tokens[j:end], end < len
+            for n in range(1, min(self.max_ngram, end) + 1):
+                self.last[tuple(tokens[end - n:end])] = end - n
+        self.indexed = max(self.indexed, len(tokens) - 1)
+        for n in range(min(max_ngram, self.max_ngram, len(tokens) - 1), min_ngram - 1, -1):
+            j = self.last.get(tuple(tokens[len(tokens) - n:]))
+            if j is not None:
                 return tokens[j + n: j + n + k], n
-    return [], 0
+        return [], 0
 
 
 class Datastore:
@@ -134,9 +146,11 @@ class NgramDrafter(Drafter):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.datastore = datastore
 
-    def draft(self, tokens: list[int]) -> tuple[list[int], str]:
-        """A draft and where it matched ("ctx<n>" or "ds<n>"; "" when nothing matched)."""
-        draft, n = lookup(tokens, self.draft_len, self.max_ngram, max(self.min_ngram, 2))
+    def draft(self, tokens: list[int], index: ContextIndex | None = None) -> tuple[list[int], str]:
+        """A draft and where it matched ("ctx<n>" or "ds<n>"; "" when nothing matched). `index`:
+        the request's ContextIndex over `tokens` (default: a fresh one)."""
+        index = index or ContextIndex(self.max_ngram)
+        draft, n = index.lookup(tokens, self.draft_len, self.max_ngram, max(self.min_ngram, 2))
         if draft:
             return draft, f"ctx{n}"
         if self.datastore is not None:
@@ -144,7 +158,7 @@ class NgramDrafter(Drafter):
             if draft:
                 return draft, f"ds{n}"
         if self.min_ngram <= 1:
-            draft, n = lookup(tokens, self.draft_len, 1, 1)
+            draft, n = index.lookup(tokens, self.draft_len, 1, 1)
             if draft:
                 return draft, "ctx1"
         return [], ""
@@ -168,7 +182,7 @@ class NgramDrafter(Drafter):
                             rows.append([0, 0])
                         rows[k][0] += 1
                         rows[k][1] += k < m
-            draft, match = self.draft(s.tokens)
+            draft, match = self.draft(s.tokens, st.setdefault("index", ContextIndex(self.max_ngram)))
             st["last"] = (len(s.tokens), match, draft)
             overall, mine = seen_at.get("all", []), seen_at.get(match, [])
             conf = []

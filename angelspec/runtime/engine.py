@@ -142,6 +142,10 @@ class Engine:
         self.prefill_time = 0.0  # seconds spent in prompt forwards (benchmarks separate decoding)
         self.steps = 0  # verification forwards run (one serves every active request)
         self.t_fixed = 0.0  # EMA of a step's time outside drafting and the forward (D-cut's T_fixed)
+        # requests in a forward -> EMA of (its measured time - C(its tokens)): the profile packs
+        # 4 tokens per request, while under load every request reads its own KV cache, and the
+        # machine drifts; D-cut and the gate weigh draft tokens against C(n) + this offset
+        self.fwd_offset: dict[int, float] = {}
         self.dcut_drafted = self.dcut_kept = 0  # draft tokens proposed / kept by D-cut
         self._available: dict[str, bool] = {}
         self.pending: deque[RequestState] = deque()  # admitted, waiting for a slot
@@ -368,13 +372,13 @@ class Engine:
             out.append(p.clip(max(room, 0)))
         return out, spent
 
-    def _cut(self, props: list[Proposal], t_draft: float) -> list[Proposal]:
+    def _cut(self, props: list[Proposal], t_draft: float, t_fixed: float) -> list[Proposal]:
         """D-cut over the batch's drafts; without it, only the row limit of lossless kernels."""
         lengths = torch.tensor([len(p.tokens) for p in props], dtype=torch.long)
         total = int(lengths.sum())
         if self.dcut and total:
             _, keep = dcut_select(torch.cat([p.confidence for p in props]).double(), lengths,
-                                  t_draft, self.t_fixed, *self._cost_tensors,
+                                  t_draft, t_fixed, *self._cost_tensors,
                                   torch.tensor(RATIOS, dtype=torch.float64))
             self.dcut_drafted += total
             self.dcut_kept += int(keep.sum())
@@ -392,13 +396,14 @@ class Engine:
         t_step = time.perf_counter()
         names = [s.drafter for s in active]
         gate = self.gate if self.dcut else None  # D-cut off: fixed draft lengths
+        t_fixed = max(self.t_fixed + self.fwd_offset.get(len(active), 0.0), 0.0)
         if gate is not None:
-            names = gate.plan(self.steps, names, self.t_fixed)
+            names = gate.plan(self.steps, names, t_fixed)
         props, drafting = self._propose(active, names)
         shadow = {}  # routed requests: one other candidate drafts too, every few steps
         for i, s in enumerate(active):
             if s.route is not None:
-                name = self.router.shadow_due(s.route, s.drafter, self.available)
+                name = self.router.shadow_due(s.route, s.drafter, self.available, self._cost_fn)
                 if name:
                     shadow[i] = name
         if shadow:
@@ -406,7 +411,7 @@ class Engine:
             for i, p in zip(idx, self._propose([active[i] for i in idx], [shadow[i] for i in idx])[0]):
                 self.router.record(active[i].route, shadow[i], len(active[i].tokens), p.tokens.tolist())
         t_draft = time.perf_counter() - t_step
-        props = self._cut(props, t_draft)
+        props = self._cut(props, t_draft, t_fixed)
         tokens, segments = [], []
         for s, p in zip(active, props):
             tokens.append(torch.tensor([s.tokens[-1]]))
@@ -416,6 +421,10 @@ class Engine:
         logits, hidden = self.model.forward(torch.cat(tokens), self.model.batch(segments),
                                             self.cache, capture=self._capture(active))
         t_fwd = time.perf_counter() - t_fwd
+        if self._cost_fn is not None:
+            off = t_fwd - self._cost_fn(sum(len(t) for t in tokens))
+            old = self.fwd_offset.get(len(active))
+            self.fwd_offset[len(active)] = off if old is None else 0.8 * old + 0.2 * off
         verdicts = verify_batch(logits, [p.tokens for p in props], [p.q for p in props],
                                 [s.params for s in active], [s.generator for s in active])
         out, row = [], 0
@@ -442,7 +451,7 @@ class Engine:
         spent = total - t_draft - t_fwd
         self.t_fixed = spent if self.steps == 1 else 0.9 * self.t_fixed + 0.1 * spent
         if self.router is not None:
-            self.router.add_step_time(total)
+            self.router.add_step(total, sum(len(c) for _, c in out), row)
         return out
 
     def _commit(self, s: RequestState, new: list[int]) -> list[int]:

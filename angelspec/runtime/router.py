@@ -13,10 +13,19 @@ first drafter, then shadow drafting lets the evidence switch it.
    drafts for it: after `shadow_every` steps at first, the interval doubling (up to `max_every`)
    each time the scores confirm the current drafter, and back to `shadow_every` after a switch. No extra target forward is needed to score that proposal: once the
    positions it covers are committed, its accepted length is the length of its prefix that matches
-   the committed tokens (exact under greedy decoding). Each drafter's expected speed for the
-   request is estimated as (1 + mean accepted) / (mean draft time + C(1 + mean draft length)),
-   C being the engine's measured verification cost; after `min_obs` shadow scores, the request
-   switches to a drafter whose estimate beats the current one's by `margin`.
+   the committed tokens (exact under greedy decoding). Each drafter's value for the request is
+   what it adds to the engine's throughput, in tokens per step:
+
+       value = (1 + mean accepted) - rate * (mean draft time + C(rows + k) - C(rows))
+
+   where rate is the engine's recent tokens per second, rows its recent tokens verified per step,
+   k the drafter's mean draft length and C the engine's measured verification cost. A drafter's
+   time is everyone's: under load one request's drafting delays the whole batch, which `rate`
+   prices in (at batch 1 this ranks drafters by their own tokens per second). After `min_obs`
+   shadow scores, the request switches to a drafter whose value beats the current one's by
+   `margin` of the current's tokens per step. A contender whose value could not beat the
+   current one's even if it were always accepted (at today's load and draft time) is not
+   shadow-drafted at all.
    Cost: one extra draft pass per interval (4 to 32 steps), and never more than `budget` (5%) of
    the engine's step time in total, however many requests are in flight; plus keeping the
    candidates' context up to date (their hidden-state catch-up runs in the shadow pass).
@@ -110,6 +119,8 @@ class Router:
         self.budget = budget  # shadow drafting may cost at most this share of the steps' time
         self.credit = 0.0  # seconds of shadow drafting currently affordable
         self.draft_seconds: dict[str, float] = {}  # drafter -> EMA of one request's draft time
+        self.rate = 0.0  # EMA of the engine's tokens per second (0: no step yet)
+        self.rows = 1.0  # EMA of the tokens one verification forward checks
 
     def settings(self) -> dict:
         return {"routes": self.routes, "candidates": list(self.candidates),
@@ -128,11 +139,16 @@ class Router:
         old = self.draft_seconds.get(name)
         self.draft_seconds[name] = seconds if old is None else 0.9 * old + 0.1 * seconds
 
-    def add_step_time(self, seconds: float) -> None:
-        """Earn shadow-drafting credit: `budget` of every step's time (capped at one second)."""
+    def add_step(self, seconds: float, tokens: int, rows: int) -> None:
+        """After an engine step of `seconds` that committed `tokens` and verified `rows`: earn
+        shadow-drafting credit (`budget` of the step's time, capped at one second) and follow
+        the load."""
         self.credit = min(self.credit + self.budget * seconds, 1.0)
+        rate = tokens / max(seconds, 1e-9)
+        self.rate = rate if not self.rate else 0.9 * self.rate + 0.1 * rate
+        self.rows = 0.9 * self.rows + 0.1 * rows
 
-    def shadow_due(self, route: RouteState, current: str, available) -> str | None:
+    def shadow_due(self, route: RouteState, current: str, available, cost_fn=None) -> str | None:
         """The candidate to shadow-draft this step, if any (and if the budget affords it)."""
         route.steps += 1
         if not route.interval:
@@ -145,6 +161,9 @@ class Router:
         if not others:
             return None
         name = others[(route.turn + 1) % len(others)]
+        if not self.could_win(route, name, current, cost_fn):
+            route.turn += 1
+            return None
         cost = self.draft_seconds.get(name, 0.0)
         if cost > self.credit:
             route.next_shadow = route.steps + 1  # due, but not affordable yet: ask next step
@@ -173,12 +192,17 @@ class Router:
                 ok.index(False) if False in ok else len(ok), len(toks))
             scored = True
         route.pending = keep
-        best, best_speed = current, self.speed(route, current, cost)
+        best, best_value = current, self.value(route, current, cost)
+        if best_value is None:
+            best_value, bar = 1.0, self.margin  # no drafts scored yet (cut or sat out): 1 token/step
+        else:
+            ev = route.evidence[current]
+            bar = self.margin * (1 + ev.accepted / ev.n)
         for name, ev in route.evidence.items():
             if name != current and ev.n >= self.min_obs:
-                speed = self.speed(route, name, cost)
-                if speed > best_speed * (1 + self.margin):
-                    best, best_speed = name, speed
+                value = self.value(route, name, cost)
+                if value > best_value + bar:
+                    best, best_value = name, value
         if best != current:
             route.switches.append((route.steps, current, best))
             route.pending = []
@@ -187,21 +211,42 @@ class Router:
             route.interval = min(2 * route.interval, self.max_every)  # the evidence agrees: back off
         return best
 
-    def speed(self, route: RouteState, name: str, cost) -> float:
+    def value(self, route: RouteState, name: str, cost, accepted: float | None = None) -> float | None:
+        """Tokens per step drafter `name` adds for the request, less what its drafting and
+        verification time costs the engine at its current rate (None: no evidence yet).
+        `accepted`: assume this many accepted tokens instead of the evidence's mean."""
         ev = route.evidence.get(name)
         if not ev or not ev.n:
-            return 0.0
+            return None
         k = ev.drafted / ev.n
-        verify = cost(1 + k) if cost else 1.0 + 0.05 * k
-        return (1 + ev.accepted / ev.n) / (self.draft_seconds.get(name, 0.0) + verify)
+        a = ev.accepted / ev.n if accepted is None else accepted
+        verify = cost(self.rows + k) - cost(self.rows) if cost else 0.0
+        return 1 + a - self.rate * (self.draft_seconds.get(name, 0.0) + verify)
+
+    def could_win(self, route: RouteState, name: str, current: str, cost) -> bool:
+        """Whether shadow-drafting `name` can pay: unknown yet, or its value with every draft
+        token accepted beats the current drafter's."""
+        ev, mine = route.evidence.get(name), self.value(route, current, cost)
+        if ev is None or not ev.n or name not in self.draft_seconds:
+            return True
+        return self.value(route, name, cost, accepted=ev.drafted / ev.n) > (1.0 if mine is None else mine)
 
 
 def route_cost(cost_table):
-    """C(n) in seconds from a CostTable, for Router.speed (None: a unit cost per forward)."""
+    """C(n) in seconds from a CostTable, for Router.value and the gate, called for every request
+    at every step: the table's piecewise-linear curve (plugins.interpolate_cost) evaluated once
+    at every whole n it covers, then interpolated in Python (its nodes are whole numbers, so
+    this is the same curve). None: no table, verification counted as free."""
     if cost_table is None:
         return None
     from angelspec.plugins import interpolate_cost
     n, t = cost_table.tensors()
-    return lambda k: float(interpolate_cost(torch.tensor([float(k)]), n, t)[0])
+    top = int(n[-1]) + 1
+    grid = interpolate_cost(torch.arange(top + 1, dtype=torch.float64), n, t).tolist()
 
-
+    def cost(k: float) -> float:
+        if not 0 <= k < top:
+            return float(interpolate_cost(torch.tensor([float(k)], dtype=torch.float64), n, t)[0])
+        i = int(k)
+        return grid[i] + (grid[i + 1] - grid[i]) * (k - i)
+    return cost

@@ -35,15 +35,25 @@ inline void tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64
     }
 }
 
-// All rows of x against C weight rows; the first pass also pulls the next block into L1.
+// The last `left` (< K) rows in one tile of exactly that many rows: one pass over the block.
+template <class V, int K, int C>
+inline void rest(const float* x, const float* w, float* y, int64_t left, int64_t in, int64_t out,
+                 const float* prefetch) {
+  if constexpr (K > 0) {
+    if (left == K) return tile<V, K, C>(x, in, w, in, in, y, out, prefetch);
+    rest<V, K - 1, C>(x, w, y, left, in, out, prefetch);
+  }
+}
+
+// All rows of x against C weight rows, R at a time (the rest in one smaller tile); the first
+// pass also pulls the next block into L1.
 template <class V, int R, int C>
 inline void column_block(const float* x, const float* w, float* y, int64_t n, int64_t in,
                          int64_t out) {
   const float* next = w + C * in;
   int64_t r = 0;
   for (; r + R <= n; r += R) tile<V, R, C>(x + r * in, in, w, in, in, y + r * out, out, r == 0 ? next : nullptr);
-  for (; r + 2 <= n; r += 2) tile<V, 2, C>(x + r * in, in, w, in, in, y + r * out, out, r == 0 ? next : nullptr);
-  for (; r < n; ++r) tile<V, 1, C>(x + r * in, in, w, in, in, y + r * out, out, r == 0 ? next : nullptr);
+  rest<V, R - 1, C>(x + r * in, w, y + r * out, n - r, in, out, r == 0 ? next : nullptr);
 }
 
 // Weight-row blocks [b0, b1) of C rows each (the last block may be partial).
