@@ -182,7 +182,9 @@ class NgramDrafter(Drafter):
                             rows.append([0, 0])
                         rows[k][0] += 1
                         rows[k][1] += k < m
-            draft, match = self.draft(s.tokens, st.setdefault("index", ContextIndex(self.max_ngram)))
+            if "index" not in st:
+                st["index"] = ContextIndex(self.max_ngram)
+            draft, match = self.draft(s.tokens, st["index"])
             st["last"] = (len(s.tokens), match, draft)
             overall, mine = seen_at.get("all", []), seen_at.get(match, [])
             conf = []

@@ -417,12 +417,13 @@ class Engine:
             tokens.append(torch.tensor([s.tokens[-1]]))
             tokens.append(p.tokens)
             segments.append(Segment(s.slot, s.cache_len, 1 + len(p.tokens)))
+        tokens = torch.cat(tokens)
         t_fwd = time.perf_counter()
-        logits, hidden = self.model.forward(torch.cat(tokens), self.model.batch(segments),
+        logits, hidden = self.model.forward(tokens, self.model.batch(segments),
                                             self.cache, capture=self._capture(active))
         t_fwd = time.perf_counter() - t_fwd
         if self._cost_fn is not None:
-            off = t_fwd - self._cost_fn(sum(len(t) for t in tokens))
+            off = t_fwd - self._cost_fn(len(tokens))
             old = self.fwd_offset.get(len(active))
             self.fwd_offset[len(active)] = off if old is None else 0.8 * old + 0.2 * off
         verdicts = verify_batch(logits, [p.tokens for p in props], [p.q for p in props],
@@ -451,7 +452,7 @@ class Engine:
         spent = total - t_draft - t_fwd
         self.t_fixed = spent if self.steps == 1 else 0.9 * self.t_fixed + 0.1 * spent
         if self.router is not None:
-            self.router.add_step(total, sum(len(c) for _, c in out), row)
+            self.router.add_step(total, sum(len(c) for _, c in out), len(tokens))
         return out
 
     def _commit(self, s: RequestState, new: list[int]) -> list[int]:
