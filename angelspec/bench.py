@@ -285,7 +285,8 @@ def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_n
             "domains": domains, "max_new_tokens": max_new, "concurrency": batch_size,
             "hf_batch_size": 1, "dcut": dcut, "rounds": rounds,
             "draft_len": engine.drafter("ngram").draft_len if "ngram" in names else draft_len,
-            "greedy": True, "dtype": "float32", "threads": torch.get_num_threads(),
+            "greedy": True, "dtype": "float32", "weights": target.model.weights,
+            "threads": torch.get_num_threads(),
             "near_tie_eps": eps, "cpu": cpu_model(), "cores": os.cpu_count(),
             "kernel_isa": torch.backends.cpu.get_cpu_capability(),
             "torch": torch.__version__, "weight_mb": round(weight_bytes / 1e6, 1),
@@ -304,7 +305,8 @@ def format_table(result: dict) -> str:
     cfg = result["config"]
     lines = [f"target {cfg['target']}  |  {cfg['prompts']} prompts, {cfg['max_new_tokens']} new "
              f"tokens, {cfg['concurrency']} in flight, greedy, {cfg['threads']} threads  |  "
-             f"weights {cfg['weight_mb']} MB, machine streams {cfg['stream_bandwidth_gb_per_s']} GB/s",
+             f"weights {cfg['weight_mb']} MB {cfg.get('weights', 'float32')}, "
+             f"machine streams {cfg['stream_bandwidth_gb_per_s']} GB/s",
              f"{'drafter':<12} {'domain':<6} {'tok/s':>8} {'accept':>7} {'speedup':>8} "
              f"{'GB/s':>6} {'%bw':>5} {'lossless':>9} {'near_ties':>9}  used"]
     num = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731

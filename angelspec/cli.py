@@ -41,10 +41,19 @@ def cmd_generate(args) -> int:
     from angelspec.runtime import Engine, Request
 
     params = _params(args)
-    target = _target(args.target)
+    if args.engine:  # as the engine serves: its weights, backend, drafts and router
+        from angelspec.checkpoint import load_target
+        from angelspec.runtime.engine_dir import load_engine
+
+        target = load_target(pathlib.Path(args.engine) / "target", max_len=args.max_len)
+        engine = load_engine(args.engine, max_batch=1, max_len=args.max_len, target=target)
+        args.drafter = args.drafter or engine.default_drafter
+    else:
+        target = _target(args.target)
+        engine = Engine(target, max_batch=1, max_len=args.max_len, draft_len=args.draft_len,
+                        drafts=args.drafts)
+        args.drafter = args.drafter or "ngram"
     ids = target.encode_chat(args.prompt, chat=not args.no_chat)
-    engine = Engine(target, max_batch=1, max_len=args.max_len, draft_len=args.draft_len,
-                    drafts=args.drafts)
     req = Request(ids, params, args.drafter)
     t0 = time.perf_counter()
     tokens, printed, st = [], "", None
@@ -139,7 +148,11 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g.add_argument("--prompt", required=True, help="user message (the chat template is applied)")
     common(g)
-    g.add_argument("--drafter", default="ngram", help=DRAFTER_HELP)
+    g.add_argument("--engine", default=None,
+                   help="generate with a built engine folder (angelspec build), exactly as it "
+                        "serves: its weights dtype, backend, drafts and auto router")
+    g.add_argument("--drafter", default=None,
+                   help=DRAFTER_HELP + "; auto with --engine (default: ngram, or the engine's)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0, help="0 = off")

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from angelspec.bench import DEFAULT_PROMPTS, load_prompts
 from angelspec.checkpoint import CheckpointError, load_target
 from angelspec.drafters import TRAINED, Datastore, make_drafter
-from angelspec.plugins import RATIOS, SKINNY_MAX_ROWS
+from angelspec.plugins import RATIOS, SKINNY_MAX_ROWS, amx_available
 from angelspec.runtime.cost import fingerprint, profile
 from angelspec.runtime.engine_dir import FORMAT, MANIFEST, sha256
 from angelspec.runtime.router import DEFAULT_ROUTES, DOMAINS, DomainClassifier, Router, contenders
@@ -59,8 +59,22 @@ def train_router(target, data: pathlib.Path) -> tuple[DomainClassifier, dict]:
     return clf, acc
 
 
+NGRAM_LENGTHS = (3, 5, 7)  # ngram draft lengths the build measures (the fastest is served)
+
+
+def tune_ngram(target, drafts_dir: pathlib.Path) -> tuple[int, dict]:
+    """ngram's draft length: the fastest of NGRAM_LENGTHS (tokens/s over all domains, the same
+    prompts and turns as calibrate_routes). Cheap verification (bf16 weights on AMX: 8 tokens cost
+    ~1.1x one) pays for longer copies; a compute-bound forward does not."""
+    names = {f"ngram:draft_len={n}": n for n in NGRAM_LENGTHS}
+    _, speed = calibrate_routes(target, drafts_dir, list(names))
+    mean = {str(n): round(sum(s[c] for s in speed.values()) / len(speed), 2)
+            for c, n in names.items()}
+    return int(max(mean, key=mean.get)), mean
+
+
 def calibrate_routes(target, drafts_dir: pathlib.Path, candidates: list[str], per_domain: int = 3,
-                     max_new: int = 64) -> tuple[dict, dict]:
+                     max_new: int = 64, draft_lens: dict | None = None) -> tuple[dict, dict]:
     """Each domain's starting drafter for `auto`: the candidate with the most tokens/s on the first
     `per_domain` bundled benchmark prompts of that domain (never the data step's held-out split),
     drafters taking turns prompt by prompt on this machine."""
@@ -68,7 +82,8 @@ def calibrate_routes(target, drafts_dir: pathlib.Path, candidates: list[str], pe
 
     rows = [r for r in load_prompts(DEFAULT_PROMPTS, per_domain) if r["domain"] in DOMAINS]
     ids = [target.encode_chat(r["prompt"]) for r in rows]
-    engine = Engine(target, max_batch=1, max_len=max(map(len, ids)) + max_new + 1, drafts=str(drafts_dir))
+    engine = Engine(target, max_batch=1, max_len=max(map(len, ids)) + max_new + 1,
+                    drafts=str(drafts_dir), draft_lens=draft_lens)
     params = SamplingParams(max_new_tokens=max_new)
     tokens = {(d, c): 0 for d in DOMAINS for c in candidates}
     seconds = dict.fromkeys(tokens, 0.0)
@@ -83,14 +98,37 @@ def calibrate_routes(target, drafts_dir: pathlib.Path, candidates: list[str], pe
     return {d: max(s, key=s.get) for d, s in speed.items()}, speed
 
 
+def choose_weights(model, asked: str = "auto") -> dict:
+    """The dtype the engine's matmul weights serve in. `auto`: bfloat16 when this CPU has AMX-BF16
+    tiles (a float32 checkpoint's weights are then rounded to bf16, at most 2^-9 relative, as any
+    bf16 serving stack does), else float32."""
+    if asked not in ("auto", "float32", "bfloat16"):
+        raise ValueError(f"unknown weights dtype {asked!r} (auto, float32, bfloat16)")
+    amx, exact = amx_available(), model.bf16_exact()
+    if asked == "auto":
+        dtype = "bfloat16" if amx else "float32"
+        why = "AMX-BF16 tiles on this CPU" if amx else "no AMX-BF16 tiles on this CPU"
+    else:
+        dtype, why = asked, "asked for"
+    if dtype == "bfloat16" and not amx:
+        raise ValueError("bfloat16 weights need AMX-BF16 tiles, which this CPU does not offer")
+    if dtype == "bfloat16":
+        why += ("; the checkpoint's weights are bf16 values (nothing rounded)" if exact else
+                "; the checkpoint's float32 weights rounded to bf16")
+    return {"dtype": dtype, "asked": asked, "why": why, "checkpoint_is_bf16": exact}
+
+
 def build(target_dir: str, drafts_dir: str, out: str, data_dir: str | None = None,
           drafters: list[str] | None = None, backends: tuple = ("eager", "inductor"),
           min_gain: float = 1.2, dcut: bool = True, max_tokens: int = SKINNY_MAX_ROWS,
-          export: str | None = None) -> dict:
+          export: str | None = None, weights: str = "auto") -> dict:
     from angelspec.builders.backend import choose
 
     target_dir, drafts_dir, out = pathlib.Path(target_dir), pathlib.Path(drafts_dir), pathlib.Path(out)
     target = load_target(target_dir)
+    weights = choose_weights(target.model, weights)
+    if weights["dtype"] == "bfloat16":
+        target.model.pack_bf16()  # everything measured below is measured as it will serve
     kinds = drafters or [k for k in TRAINED if (drafts_dir / k / "config.json").exists()]
     bar = tqdm(total=6, desc="build", unit="step", file=sys.stderr)
 
@@ -101,12 +139,15 @@ def build(target_dir: str, drafts_dir: str, out: str, data_dir: str | None = Non
         specs[kind] = {"kind": kind, "path": f"drafts/{kind}", "max_draft_len": d.draft_len,
                        "target_layer_ids": list(d.cfg.target_layers),
                        "draft_vocab": len(d.frozen.vocab_ids)}
-    specs["ngram"] = {"kind": "ngram", "max_draft_len": 3}
+    specs["ngram"] = {"kind": "ngram"}
     store = drafts_dir / "ngram"
     if (store / Datastore.FILE).exists():  # the datastore of the target's own responses
         if not Datastore.fits(store, target):
             raise CheckpointError(f"{store} was built with another tokenizer than {target_dir}'s")
         specs["ngram"]["path"] = "drafts/ngram"
+    bar.set_postfix_str("ngram draft length")
+    specs["ngram"]["max_draft_len"], specs["ngram"]["tokens_per_s_by_draft_len"] = \
+        tune_ngram(target, drafts_dir)
     bar.update()
 
     bar.set_postfix_str("copying parts")
@@ -135,7 +176,8 @@ def build(target_dir: str, drafts_dir: str, out: str, data_dir: str | None = Non
         save_file(clf.state_dict(), str(out / "router.safetensors"))
         candidates = [c for c in ("mtp", "dfly", "ngram") if c in set(kinds) | {"ngram"}]
         bar.set_postfix_str("router: measuring drafters per domain")
-        routes, speed = calibrate_routes(target, drafts_dir, candidates)
+        routes, speed = calibrate_routes(target, drafts_dir, candidates,
+                                         draft_lens={"ngram": specs["ngram"]["max_draft_len"]})
         router = {**Router(None, routes, tuple(candidates), contenders=contenders(speed)).settings(),
                   "domains": list(DOMAINS),
                   "classifier": "router.safetensors", "accuracy": accuracy,
@@ -163,8 +205,9 @@ def build(target_dir: str, drafts_dir: str, out: str, data_dir: str | None = Non
         "defaults": {"drafter": "auto" if router else (kinds[0] if kinds else "ngram"), "dcut": dcut},
         "router": router,
         "backend": backend,
+        "weights": weights,
         "dcut": {"ratios": list(RATIOS), "profile": cost.to_json()},
-        "fingerprint": fingerprint(backend["chosen"]),
+        "fingerprint": fingerprint(backend["chosen"], target.model.weights),
     }
     shutil.rmtree(out / "trtllm", ignore_errors=True)
     if export == "trtllm":
@@ -195,6 +238,10 @@ def add_arguments(p) -> None:
     p.add_argument("--min-gain", type=float, default=1.2,
                    help="a compiled backend must be this much faster than eager (and bit-identical) "
                         "to be chosen: it costs minutes of compilation at every start")
+    p.add_argument("--weights", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="dtype of the matmul weights: bfloat16 runs them on the AMX tile unit "
+                        "(weights and the activations entering each matmul in bf16, sums in "
+                        "float32); auto picks it when the CPU has AMX-BF16 tiles")
     p.add_argument("--no-dcut", action="store_true", help="serve with a fixed draft length by default")
     p.add_argument("--export", choices=["trtllm"], default=None,
                    help="also write <out>/trtllm/: the drafts and an LLM-API YAML for TensorRT-LLM")
@@ -204,16 +251,20 @@ def run(args) -> int:
     m = build(args.target, args.drafts, args.out, args.data or None,
               args.drafters.split(",") if args.drafters else None,
               tuple(b.strip() for b in args.backends.split(",") if b.strip()), args.min_gain,
-              not args.no_dcut, export=args.export)
+              not args.no_dcut, export=args.export, weights=args.weights)
     out = pathlib.Path(args.out)
     for kind, paths in m.get("exported", {}).items():
         print(f"{kind} export: {', '.join(paths)}")
     be = m["backend"]
     speeds = ", ".join(f"{b} {r['speedup_vs_eager']}x" for b, r in be["measured"].items())
     print(f"{out}: drafters {', '.join(m['drafters'])}; default {m['defaults']['drafter']}, "
-          f"D-cut {'on' if m['defaults']['dcut'] else 'off'}; backend {be['chosen']} ({speeds})")
+          f"D-cut {'on' if m['defaults']['dcut'] else 'off'}; backend {be['chosen']} ({speeds}); "
+          f"{m['weights']['dtype']} weights ({m['weights']['why']})")
     if be.get("why_eager"):
         print(f"  eager kept: {be['why_eager']}")
+    ng = m["drafters"]["ngram"]
+    print(f"  ngram draft length {ng['max_draft_len']} (tokens/s by length: "
+          f"{json.dumps(ng['tokens_per_s_by_draft_len'])})")
     if m["router"]:
         r = m["router"]
         print(f"  router: classifier accuracy {json.dumps(r['accuracy'])}; routes {r['routes']} "

@@ -12,6 +12,16 @@ def _(x, w):
     return x.new_empty(x.shape[0], w.shape[0])
 
 
+@torch.library.register_fake("angelspec::amx_linear")
+def _(x, w):
+    return x.new_empty(x.shape[0], w.shape[0])
+
+
+@torch.library.register_fake("angelspec::amx_pack")
+def _(w):
+    return w.new_empty(w.shape, dtype=torch.bfloat16)
+
+
 @torch.library.register_fake("angelspec::cached_attention")
 def _(q, k, v, k_cache, v_cache, slots, positions, window):
     return torch.empty_like(q)

@@ -10,6 +10,7 @@ from angelspec.builders.build import build
 from angelspec.checkpoint import load_target
 from angelspec.drafters import Datastore
 from angelspec.drafters.draft_checkpoint import save_draft
+from angelspec.plugins import amx_available
 from angelspec.runtime import Engine, Request, SamplingParams
 from angelspec.runtime.engine_dir import EngineError, load_engine, read_manifest
 from conftest import make_checkpoint
@@ -52,6 +53,28 @@ def test_manifest_names_every_part_with_checksums(parts):
     assert m["backend"]["chosen"] == "eager" and m["dcut"]["profile"]["n"][-1] == 16
     assert m["router"]["accuracy"]["heldout"]["n"] == 6
     assert m["fingerprint"]["torch"] == torch.__version__
+    # weights auto: bf16 on a CPU with AMX tiles (this random float32 checkpoint then rounded)
+    dtype = "bfloat16" if amx_available() else "float32"
+    assert m["weights"]["dtype"] == m["fingerprint"]["weights"] == dtype
+    assert not m["weights"]["checkpoint_is_bf16"]
+    assert m["drafters"]["ngram"]["max_draft_len"] in (3, 5, 7)
+
+
+@pytest.mark.skipif(not amx_available(), reason="no AMX-BF16 tiles on this CPU")
+def test_bf16_engine_loads_packed_and_serves_losslessly(parts, tmp_path):
+    root, _, _ = parts
+    m = build(str(root / "target"), str(root / "drafts"), str(tmp_path / "engine"), None,
+              drafters=[], backends=("eager",), max_tokens=8, weights="bfloat16")
+    assert m["weights"]["dtype"] == "bfloat16" and m["fingerprint"]["weights"] == "bfloat16"
+    eng = load_engine(tmp_path / "engine", max_batch=2, max_len=200)
+    assert eng.target.model.weights == "bfloat16"
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(1, 96, (n,), generator=g).tolist() for n in (5, 30)]
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    ref = Engine(eng.target, max_batch=1, max_len=200).generate(
+        [Request(p, params, "ar") for p in prompts])
+    out = eng.generate([Request(p, params, "ngram") for p in prompts])
+    assert [r.tokens for r in out] == [r.tokens for r in ref]
 
 
 def test_engine_serves_every_drafter_losslessly(parts):
@@ -62,7 +85,9 @@ def test_engine_serves_every_drafter_losslessly(parts):
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(1, 96, (n,), generator=g).tolist() for n in (3, 11, 40)]
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
-    ref = Engine(target, max_batch=1, max_len=200).generate([Request(p, params, "ar") for p in prompts])
+    # the reference: batch-1 autoregressive decoding of the engine's own weights (bf16 on AMX)
+    ref = Engine(eng.target, max_batch=1, max_len=200).generate(
+        [Request(p, params, "ar") for p in prompts])
     for d in ("mtp", "dfly", "dflash", "ngram", "auto"):
         out = eng.generate([Request(p, params, d) for p in prompts])
         assert [r.tokens for r in out] == [r.tokens for r in ref], d

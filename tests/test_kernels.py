@@ -3,6 +3,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import angelspec.plugins as ops
@@ -62,3 +63,53 @@ def test_cached_attention_matches_reference_and_masks_by_position():
     ref4 = torch.nn.functional.scaled_dot_product_attention(q[-1:].transpose(0, 1), kk[:, 8:12],
                                                             vv[:, 8:12])  # the last 4 keys only
     assert (win - ref4.transpose(0, 1)).abs().max() < 1e-5
+
+
+AMX = pytest.mark.skipif(not ops.amx_available(), reason="no AMX-BF16 tiles on this CPU")
+
+
+@AMX
+def test_amx_linear_is_row_exact_and_sums_bf16_products_in_float32():
+    g = torch.Generator().manual_seed(2)
+    for out_f, in_f in [(960, 576), (48, 1536), (16, 32)]:
+        w = torch.randn(out_f, in_f, generator=g).bfloat16().float()  # a bf16 checkpoint's weights
+        packed = ops.pack_bf16(w)
+        x = torch.randn(37, in_f, generator=g)
+        y = ops.linear(x, packed)
+        ref = (x.bfloat16().double() @ w.double().t()).float()  # bf16 inputs, exact products
+        assert (y - ref).abs().max() < 1e-5 * in_f ** 0.5, (out_f, in_f)
+        for n in (1, 2, 3, 15, 16, 17, 33):  # inside one tile, a full tile, across tiles
+            assert torch.equal(ops.linear(x[:n], packed), y[:n]), (out_f, in_f, n)
+        assert torch.equal(ops.linear(x[20:21], packed), y[20:21])
+    torch.library.opcheck(torch.ops.angelspec.amx_linear, (x[:5], packed))
+    with pytest.raises(RuntimeError, match="out % 16"):
+        ops.pack_bf16(torch.randn(17, 32))
+
+
+@AMX
+def test_bf16_weights_serve_losslessly_and_the_checkpoint_unchanged(tmp_path):
+    """A model whose weights are bf16 values serves them exactly (pack_bf16 rounds nothing), and
+    greedy speculative decoding with packed weights equals packed batch-1 decoding."""
+    from angelspec.runtime import Engine, Request, SamplingParams
+    from conftest import tiny_target
+
+    target = tiny_target(tmp_path, vocab_size=96, eos_token_id=95)
+    m = target.model
+    for layer in m.layers:  # round the random weights to bf16 values, as a bf16 checkpoint's
+        for k in m.MATMULS:
+            layer[k] = layer[k].bfloat16().float()
+    m.embed = m.lm_head = m.head_w = m.embed.bfloat16().float()
+    assert m.bf16_exact()
+    p = SamplingParams(max_new_tokens=24)
+    ps = [[5, 9, 14, 5, 9], [3] * 12, list(range(1, 40))]
+    bytes32 = m.weight_bytes()
+    m.pack_bf16()
+    assert m.weights == "bfloat16" and m.weight_bytes() < 0.6 * bytes32
+    assert m.head_w.dtype == torch.bfloat16 and m.lm_head.dtype == torch.float32
+    ref = [Engine(target, max_batch=1, max_len=128).generate([Request(x, p, "ar")])[0].tokens
+           for x in ps]
+    for batch in (1, 3):
+        eng = Engine(target, max_batch=batch, max_len=128, draft_len=4)
+        out = eng.generate([Request(x, p, "ngram") for x in ps])
+        assert [r.tokens for r in out] == ref
+        assert sum(r.stats.accepted for r in out) > 0

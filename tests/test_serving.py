@@ -19,7 +19,8 @@ from angelspec.builders import triton
 from angelspec.builders.build import build
 from angelspec.checkpoint import load_target
 from angelspec.drafters.draft_checkpoint import save_draft
-from angelspec.runtime import Engine, Request, SamplingParams
+from angelspec.runtime import Request, SamplingParams
+from angelspec.runtime.engine_dir import load_engine
 from conftest import make_checkpoint
 from test_drafters import draft
 
@@ -87,11 +88,13 @@ def generate(server, **body):
 
 
 def reference(server, text, n, drafter="none"):
-    target = server["target"]
-    ids = target.tokenizer.encode(text, add_special_tokens=False)
-    out = Engine(target, max_batch=1, max_len=512).generate(
-        [Request(ids, SamplingParams(max_new_tokens=n), drafter)])[0]
-    return target.decode(out.tokens)
+    """What `angelspec generate --engine` gives: batch 1, in process, the engine's own weights."""
+    if "local" not in server:
+        server["local"] = load_engine(server["engine"], max_batch=1, max_len=512)
+    eng = server["local"]
+    ids = eng.target.tokenizer.encode(text, add_special_tokens=False)
+    out = eng.generate([Request(ids, SamplingParams(max_new_tokens=n), drafter)])[0]
+    return eng.target.decode(out.tokens)
 
 
 def test_http_generate_is_lossless_with_stats(server):

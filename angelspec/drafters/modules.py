@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from angelspec.plugins import linear
+from angelspec.plugins import can_pack, linear, pack_bf16
 
 
 class Linear(nn.Linear):
@@ -99,6 +99,9 @@ class Frozen:
         self.cos, self.sin = model.cos, model.sin
         self.vocab_ids = vocab_ids.long()
         self.lm_head = model.lm_head[self.vocab_ids].contiguous()
+        # a target serving bf16 weights: the draft's logits use the same tiles, at half the bytes
+        bf16 = getattr(model, "weights", "float32") == "bfloat16" and can_pack(self.lm_head)
+        self.head_mm = pack_bf16(self.lm_head) if bf16 else self.lm_head
         # target id -> draft vocabulary index (-1: outside the draft vocabulary)
         self.index = torch.full((cfg.vocab_size,), -1, dtype=torch.long)
         self.index[self.vocab_ids] = torch.arange(len(self.vocab_ids))
@@ -112,7 +115,7 @@ class Frozen:
         lm_head), or only over draft-vocabulary indices `rows` [..., k] (re-scoring candidates)."""
         hn = F.rms_norm(h, (h.shape[-1],), self.norm_w, self.eps)
         if rows is None:
-            return linear(hn, self.lm_head)
+            return linear(hn, self.head_mm)
         return (self.lm_head[rows] @ hn.unsqueeze(-1)).squeeze(-1)
 
 

@@ -15,8 +15,9 @@ from angelspec.model import Segment
 from angelspec.plugins import SKINNY_MAX_ROWS
 
 
-def fingerprint(backend: str = "eager") -> dict:
-    """What the cost of a forward depends on: CPU model, cores, torch version and threads, backend."""
+def fingerprint(backend: str = "eager", weights: str = "float32") -> dict:
+    """What the cost of a forward depends on: CPU model, cores, torch version and threads,
+    backend, and the dtype of the matmul weights."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -26,7 +27,8 @@ def fingerprint(backend: str = "eager") -> dict:
     if torch.cuda.is_available():
         cpu += " + " + torch.cuda.get_device_name(0)
     return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "backend": backend}
+            "threads": torch.get_num_threads(), "backend": backend,
+            "weights": weights}
 
 
 @dataclass
@@ -76,4 +78,5 @@ def profile(model, max_tokens: int = SKINNY_MAX_ROWS, context: int = 256, per_re
                 times[n].append(time.perf_counter() - t0)
             if progress:
                 progress()
-    return CostTable(sizes, [statistics.median(times[n]) for n in sizes], fingerprint(backend))
+    return CostTable(sizes, [statistics.median(times[n]) for n in sizes],
+                     fingerprint(backend, model.weights))

@@ -19,7 +19,7 @@ from typing import Iterator
 import torch
 
 from angelspec.checkpoint import Target
-from angelspec.drafters import ALIASES, Drafter, Proposal, canonical, make_drafter
+from angelspec.drafters import ALIASES, Drafter, Proposal, canonical, make_drafter, parse_spec
 from angelspec.model import Segment
 from angelspec.plugins import RATIOS, SKINNY_MAX_ROWS, dcut_select
 from angelspec.runtime.cost import CostTable, profile
@@ -117,17 +117,19 @@ class Engine:
     """Serves many requests on one target; every request picks its drafter by name (or `auto`).
 
     dcut: trim each step's drafts with D-cut against `cost` (C(n), profiled now if not given).
+    draft_lens: draft length per drafter kind (an engine's tuned ngram length), below draft_len.
     """
 
     def __init__(self, target: Target, max_batch: int = 8, max_len: int = 2048,
                  draft_len: int | None = None, drafters: dict[str, Drafter] | None = None,
                  drafts: str | None = None, dcut: bool = False, cost: CostTable | None = None,
-                 router: Router | None = None):
+                 router: Router | None = None, draft_lens: dict[str, int] | None = None):
         self.target, self.model = target, target.model
         self.max_batch = max_batch
         self.max_len = min(max_len, self.model.max_len)
         self.cache = self.model.new_cache(max_batch, self.max_len)
-        self.draft_len = draft_len
+        self.draft_len = draft_len  # every drafter's draft length (None: each drafter's own)
+        self.draft_lens = dict(draft_lens or {})  # drafter kind -> its draft length (an engine's)
         self.drafters: dict[str, Drafter] = dict(drafters or {})
         self.drafts = drafts  # folder of trained drafts (<drafts>/mtp, /dfly, /dflash)
         self.dcut = dcut
@@ -162,7 +164,8 @@ class Engine:
         key = ALIASES.get(name, name) if isinstance(name, str) else name
         if key not in self.drafters:
             key = canonical(key)
-            self.drafters[key] = make_drafter(key, self.draft_len, self.target, self.drafts)
+            length = self.draft_len or self.draft_lens.get(parse_spec(key)[0])
+            self.drafters[key] = make_drafter(key, length, self.target, self.drafts)
         return key
 
     def drafter(self, name: str) -> Drafter:

@@ -67,6 +67,7 @@ def load_engine(path: str | pathlib.Path, max_batch: int = 8, max_len: int = 204
     table is re-profiled when this machine's fingerprint differs from the build machine's.
     `target`: the folder's target, if the caller has already loaded it (<path>/target)."""
     from angelspec.checkpoint import load_target
+    from angelspec.plugins import amx_available
     from angelspec.runtime.cost import CostTable, fingerprint, profile
     from angelspec.runtime.engine import Engine
     from angelspec.runtime.router import DomainClassifier, Router
@@ -76,8 +77,14 @@ def load_engine(path: str | pathlib.Path, max_batch: int = 8, max_len: int = 204
     if target is None:
         target = load_target(path / "target", max_len=max(max_len, 64))
     backend = manifest["backend"]["chosen"]
+    if manifest.get("weights", {}).get("dtype") == "bfloat16":
+        if amx_available():
+            target.model.pack_bf16()
+        else:
+            print("angelspec: this CPU has no AMX-BF16 tiles; serving the engine's weights as "
+                  "float32 (outputs can differ from the build machine's)", file=sys.stderr)
     cost = CostTable.from_json(manifest["dcut"]["profile"])
-    here = fingerprint(backend)
+    here = fingerprint(backend, target.model.weights)
     if cost.fingerprint != here:
         changed = {k: (cost.fingerprint.get(k), v) for k, v in here.items() if cost.fingerprint.get(k) != v}
         print(f"angelspec: this machine differs from the build machine ({changed}); "
@@ -96,7 +103,8 @@ def load_engine(path: str | pathlib.Path, max_batch: int = 8, max_len: int = 204
         use_backend(target.model, backend)
     engine = Engine(target, max_batch=max_batch, max_len=max_len, drafts=str(path / "drafts"),
                     dcut=manifest["defaults"]["dcut"] if dcut is None else dcut, cost=cost,
-                    router=router)
+                    router=router, draft_lens={k: d["max_draft_len"]
+                                               for k, d in manifest["drafters"].items()})
     engine.manifest = manifest
     engine.default_drafter = manifest["defaults"]["drafter"]
     return engine

@@ -1,6 +1,7 @@
 """output_ids -> text_output. Streamed chunks arrive cut at character boundaries (the angelspec
 model holds back tokens that end inside a multi-byte character), so each decodes on its own."""
 import json
+import os
 import pathlib
 
 import numpy as np
@@ -10,6 +11,10 @@ import triton_python_backend_utils as pb_utils
 class TritonPythonModel:
     def initialize(self, args):
         from transformers import AutoTokenizer
+
+        # text work yields the cores to the engine's step (both cores run its parallel regions:
+        # a preempted thread stalls the whole region); it runs in the gaps between steps
+        os.nice(5)
 
         cfg = json.loads(args["model_config"])
         engine = pathlib.Path(cfg["parameters"]["engine_dir"]["string_value"])

@@ -1,5 +1,6 @@
 """text_input -> input_ids (the engine's tokenizer and chat template); stop_words -> stop_ids."""
 import json
+import os
 import pathlib
 
 import numpy as np
@@ -9,6 +10,10 @@ import triton_python_backend_utils as pb_utils
 class TritonPythonModel:
     def initialize(self, args):
         from transformers import AutoTokenizer
+
+        # text work yields the cores to the engine's step (both cores run its parallel regions:
+        # a preempted thread stalls the whole region); it runs in the gaps between steps
+        os.nice(5)
 
         cfg = json.loads(args["model_config"])
         engine = pathlib.Path(cfg["parameters"]["engine_dir"]["string_value"])
