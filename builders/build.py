@@ -271,4 +271,6 @@ def run(args) -> int:
               f"(tokens/s measured per domain: {json.dumps(r['calibration_tokens_per_s'])})")
     prof = m["dcut"]["profile"]
     print("  verification cost C(n): " + ", ".join(f"{n}:{ms:.1f}ms" for n, ms in zip(prof["n"], prof["ms"])))
+    for b, c in prof.get("by_batch", {}).items():
+        print(f"    with {b} requests: " + ", ".join(f"{n}:{ms:.1f}ms" for n, ms in zip(c["n"], c["ms"])))
     return 0

@@ -117,7 +117,21 @@ def test_ngram_confidence_is_its_acceptance_rate_at_each_depth_and_match_length(
 def test_profiled_cost_table_grows_with_tokens(tiny):
     t = profile(tiny.model, max_tokens=16, reps=2)
     assert t.n[0] == 1 and t.n[-1] == 16 and all(s > 0 for s in t.seconds)
-    assert CostTable.from_json(t.to_json()).n == t.n
+    # a curve per number of requests B, over 1..8 tokens per request (within max_tokens)
+    assert set(t.batches) == {1, 2, 4, 8, 16}
+    assert t.batches[4][0] == [4, 8, 12, 16] and t.batches[16][0] == [16]
+    back = CostTable.from_json(t.to_json())
+    assert back.n == t.n and back.batches.keys() == t.batches.keys()
+    assert back.batches[2][0] == t.batches[2][0] == [2, 4, 6, 8, 12, 16]
+
+
+def test_dcut_reads_the_curve_of_its_steps_number_of_requests():
+    t = CostTable([1, 4, 16], [0.01, 0.02, 0.08], fingerprint(),
+                  {1: ([1, 2, 4], [0.010, 0.011, 0.012]), 16: ([16, 32], [0.05, 0.06])})
+    assert t.tensors()[0].tolist() == [1, 4, 16]
+    assert t.tensors(1)[0].tolist() == [1, 2, 4] and t.tensors(2)[0].tolist() == [1, 2, 4]
+    assert t.tensors(12)[1].tolist() == [0.05, 0.06]  # the measured B nearest in ratio
+    assert CostTable([1], [0.01], fingerprint()).tensors(16)[0].tolist() == [1]  # main curve
 
 
 def test_router_switches_away_from_a_bad_drafter_losslessly(tiny):

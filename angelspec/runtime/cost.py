@@ -3,11 +3,12 @@ D-cut weighs draft tokens against. Profiled on the machine that serves (the buil
 the engine with the machine's fingerprint; a different machine re-profiles at start-up)."""
 from __future__ import annotations
 
+import math
 import os
 import platform
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,52 +32,85 @@ def fingerprint(backend: str = "eager", weights: str = "float32") -> dict:
             "weights": weights}
 
 
+BATCHES = (1, 2, 4, 8, 16)  # requests per forward with a curve of their own
+ROWS = (1, 2, 3, 4, 6, 8)  # tokens per request on those curves (anchor + drafts)
+
+
 @dataclass
 class CostTable:
+    """C(n), and C_B(n) per number of requests B.
+
+    The main curve packs 4 tokens per request, so from n to n + 4 it adds a request, and with it
+    attention over another KV cache. A draft token added to a request already in the forward
+    costs less: its request's cache is already being read. D-cut decides the latter, so it
+    reads the curve measured with its step's number of requests (`batches`: B -> 1..8 tokens
+    per request)."""
     n: list[int]  # total verified tokens per forward (sorted)
     seconds: list[float]  # median time of that forward
     fingerprint: dict
+    batches: dict = field(default_factory=dict)  # B -> (n [B * rows], seconds)
 
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.tensor(self.n, dtype=torch.float64), torch.tensor(self.seconds, dtype=torch.float64)
+    def tensors(self, batch: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(n, seconds) as float64: the curve for `batch` requests (the measured B nearest to it),
+        or the main curve."""
+        n, t = self.n, self.seconds
+        if batch is not None and self.batches:
+            n, t = self.batches[min(self.batches, key=lambda b: abs(math.log(b / batch)))]
+        return torch.tensor(n, dtype=torch.float64), torch.tensor(t, dtype=torch.float64)
 
     def to_json(self) -> dict:
         return {"n": self.n, "ms": [round(s * 1000, 3) for s in self.seconds],
+                "by_batch": {str(b): {"n": n, "ms": [round(s * 1000, 3) for s in t]}
+                             for b, (n, t) in self.batches.items()},
                 "fingerprint": self.fingerprint}
 
     @classmethod
     def from_json(cls, d: dict) -> "CostTable":
-        return cls(list(d["n"]), [m / 1000 for m in d["ms"]], dict(d["fingerprint"]))
+        batches = {int(b): (list(c["n"]), [m / 1000 for m in c["ms"]])
+                   for b, c in d.get("by_batch", {}).items()}
+        return cls(list(d["n"]), [m / 1000 for m in d["ms"]], dict(d["fingerprint"]), batches)
 
 
 def profile(model, max_tokens: int = SKINNY_MAX_ROWS, context: int = 256, per_request: int = 4,
             reps: int = 5, backend: str = "eager", progress=None) -> CostTable:
     """Time packed forwards of n tokens (requests of `per_request` tokens each, every one after
-    `context` cached tokens), sizes measured in interleaved rounds so machine drift hits all alike."""
+    `context` cached tokens), and of B requests x 1..8 tokens for the per-batch curves; all shapes
+    measured in interleaved rounds so machine drift hits all alike."""
     sizes = sorted({n for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128) if n <= max_tokens}
                    | {max_tokens})
-    slots = -(-max_tokens // per_request)
-    context = max(1, min(context, model.max_len - per_request - 1))
-    cache = model.new_cache(slots, context + per_request + 1)
+    per_batch = [(b, r) for b in BATCHES for r in ROWS if b * r <= max_tokens]
+    slots = max(-(-max_tokens // per_request), max(b for b, _ in per_batch))
+    width = max(per_request, max(ROWS))
+    context = max(1, min(context, model.max_len - width - 1))
+    cache = model.new_cache(slots, context + width + 1)
     g = torch.Generator().manual_seed(0)
-    toks = torch.randint(0, model.cfg.vocab_size, (context + per_request,), generator=g)
+    toks = torch.randint(0, model.cfg.vocab_size, (context + width,), generator=g)
     for s in range(slots):
         model.forward(toks[:context], model.batch([Segment(s, 0, context)]), cache,
                       logit_rows=torch.tensor([context - 1]))
-    batches = {}
+    shapes = {}  # ("n", n) for the main curve, (B, rows) for the per-batch curves
     for n in sizes:
         segs = [Segment(i, context, min(per_request, n - i * per_request))
                 for i in range(-(-n // per_request))]
-        batches[n] = (toks[context:context + per_request].repeat(len(segs))[:n], model.batch(segs))
-    times = {n: [] for n in sizes}
+        shapes["n", n] = (toks[context:context + per_request].repeat(len(segs))[:n],
+                          model.batch(segs))
+    for b, r in per_batch:
+        shapes[b, r] = (toks[context:context + r].repeat(b),
+                        model.batch([Segment(i, context, r) for i in range(b)]))
+    times = {k: [] for k in shapes}
     with torch.inference_mode():
         for _ in range(reps):
-            for n in sizes:
-                x, b = batches[n]
+            for k, (x, batch) in shapes.items():
                 t0 = time.perf_counter()
-                model.forward(x, b, cache)
-                times[n].append(time.perf_counter() - t0)
+                model.forward(x, batch, cache)
+                times[k].append(time.perf_counter() - t0)
             if progress:
                 progress()
-    return CostTable(sizes, [statistics.median(times[n]) for n in sizes],
-                     fingerprint(backend, model.weights))
+    med = {k: statistics.median(t) for k, t in times.items()}
+    curves = {}
+    for b, r in per_batch:
+        n, t = curves.setdefault(b, ([], []))
+        n.append(b * r)
+        t.append(med[b, r])
+    return CostTable(sizes, [med["n", n] for n in sizes], fingerprint(backend, model.weights),
+                     curves)

@@ -136,7 +136,7 @@ class Engine:
         if dcut and cost is None:
             cost = profile(self.model, max_tokens=SKINNY_MAX_ROWS)
         self.cost = cost
-        self._cost_tensors = cost.tensors() if cost else None
+        self._curves: dict = {}  # requests in a forward -> (C_B(n) tensors, C_B(n) function)
         # with D-cut, drafters whose drafting costs more than it brings sit steps out
         self._cost_fn = route_cost(cost)  # C(n) in seconds (None without a table)
         self.gate = DraftGate(self._cost_fn) if cost else None
@@ -144,9 +144,9 @@ class Engine:
         self.prefill_time = 0.0  # seconds spent in prompt forwards (benchmarks separate decoding)
         self.steps = 0  # verification forwards run (one serves every active request)
         self.t_fixed = 0.0  # EMA of a step's time outside drafting and the forward (D-cut's T_fixed)
-        # requests in a forward -> EMA of (its measured time - C(its tokens)): the profile packs
-        # 4 tokens per request, while under load every request reads its own KV cache, and the
-        # machine drifts; D-cut and the gate weigh draft tokens against C(n) + this offset
+        # requests in a forward -> EMA of (its measured time - C_B(its tokens)): the profile ran
+        # at one context length and one moment, while requests' contexts differ and the machine
+        # drifts; D-cut and the gate weigh draft tokens against C_B(n) + this offset
         self.fwd_offset: dict[int, float] = {}
         self.dcut_drafted = self.dcut_kept = 0  # draft tokens proposed / kept by D-cut
         self._available: dict[str, bool] = {}
@@ -375,13 +375,19 @@ class Engine:
             out.append(p.clip(max(room, 0)))
         return out, spent
 
+    def _curve(self, batch: int):
+        """C_B(n) for a forward over `batch` requests: (n, seconds) tensors and a function."""
+        if batch not in self._curves:
+            self._curves[batch] = (self.cost.tensors(batch), route_cost(self.cost, batch))
+        return self._curves[batch]
+
     def _cut(self, props: list[Proposal], t_draft: float, t_fixed: float) -> list[Proposal]:
         """D-cut over the batch's drafts; without it, only the row limit of lossless kernels."""
         lengths = torch.tensor([len(p.tokens) for p in props], dtype=torch.long)
         total = int(lengths.sum())
         if self.dcut and total:
             _, keep = dcut_select(torch.cat([p.confidence for p in props]).double(), lengths,
-                                  t_draft, t_fixed, *self._cost_tensors,
+                                  t_draft, t_fixed, *self._curve(len(props))[0],
                                   torch.tensor(RATIOS, dtype=torch.float64))
             self.dcut_drafted += total
             self.dcut_kept += int(keep.sum())
@@ -401,7 +407,7 @@ class Engine:
         gate = self.gate if self.dcut else None  # D-cut off: fixed draft lengths
         t_fixed = max(self.t_fixed + self.fwd_offset.get(len(active), 0.0), 0.0)
         if gate is not None:
-            names = gate.plan(self.steps, names, t_fixed)
+            names = gate.plan(self.steps, names, t_fixed, self._curve(len(active))[1])
         props, drafting = self._propose(active, names)
         shadow = {}  # routed requests: one other candidate drafts too, every few steps
         for i, s in enumerate(active):
@@ -425,8 +431,8 @@ class Engine:
         logits, hidden = self.model.forward(tokens, self.model.batch(segments),
                                             self.cache, capture=self._capture(active))
         t_fwd = time.perf_counter() - t_fwd
-        if self._cost_fn is not None:
-            off = t_fwd - self._cost_fn(len(tokens))
+        if self.cost is not None:
+            off = t_fwd - self._curve(len(active))[1](len(tokens))
             old = self.fwd_offset.get(len(active))
             self.fwd_offset[len(active)] = off if old is None else 0.8 * old + 0.2 * off
         verdicts = verify_batch(logits, [p.tokens for p in props], [p.q for p in props],

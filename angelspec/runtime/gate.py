@@ -34,16 +34,18 @@ class DraftGate:
         self.backoff: dict[str, int] = {}
         self.skipped = 0  # requests that sat out a step (for benchmarks)
 
-    def plan(self, step: int, names: list[str], t_fixed: float) -> list[str]:
+    def plan(self, step: int, names: list[str], t_fixed: float, cost=None) -> list[str]:
         """The drafter each request uses this step: its own, or "none" when its drafter sits out
-        (one request of a drafter whose time is up drafts as a probe)."""
+        (one request of a drafter whose time is up drafts as a probe). `cost`: C(n) for this
+        step's number of requests (default: the gate's)."""
+        cost = cost or self.cost
         groups: dict[str, list[int]] = {}
         for i, name in enumerate(names):
             if name != "none":
                 groups.setdefault(name, []).append(i)
         out = list(names)
         B = len(names)
-        tokens, seconds, kept = float(B), t_fixed + self.cost(B), 0.0
+        tokens, seconds, kept = float(B), t_fixed + cost(B), 0.0
         ranked = sorted((g for g in groups if g in self.est),
                         key=lambda g: self.est[g][2] / max(self.est[g][0], 1e-9), reverse=True)
         for g in ranked:
@@ -56,7 +58,7 @@ class DraftGate:
                 continue
             t, k, a = self.est[g]
             n = len(idx)
-            add_s = n * t + self.cost(B + kept + n * k) - self.cost(B + kept)
+            add_s = n * t + cost(B + kept + n * k) - cost(B + kept)
             if n * t <= CHEAP * seconds or (tokens + n * a) * seconds > tokens * (seconds + add_s):
                 tokens, seconds, kept = tokens + n * a, seconds + add_s, kept + n * k
                 self.backoff[g] = 1

@@ -232,15 +232,16 @@ class Router:
         return self.value(route, name, cost, accepted=ev.drafted / ev.n) > (1.0 if mine is None else mine)
 
 
-def route_cost(cost_table):
-    """C(n) in seconds from a CostTable, for Router.value and the gate, called for every request
-    at every step: the table's piecewise-linear curve (plugins.interpolate_cost) evaluated once
-    at every whole n it covers, then interpolated in Python (its nodes are whole numbers, so
-    this is the same curve). None: no table, verification counted as free."""
+def route_cost(cost_table, batch: int | None = None):
+    """C(n) in seconds from a CostTable (its curve for `batch` requests, or its main curve), for
+    Router.value, the gate and D-cut's calibration, called for every request at every step: the
+    piecewise-linear curve (plugins.interpolate_cost) evaluated once at every whole n it covers,
+    then interpolated in Python (its nodes are whole numbers, so this is the same curve). None:
+    no table, verification counted as free."""
     if cost_table is None:
         return None
     from angelspec.plugins import interpolate_cost
-    n, t = cost_table.tensors()
+    n, t = cost_table.tensors(batch)
     top = int(n[-1]) + 1
     grid = interpolate_cost(torch.arange(top + 1, dtype=torch.float64), n, t).tolist()
 
