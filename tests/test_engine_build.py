@@ -160,6 +160,24 @@ def test_bench_cli_with_engine_concurrency_dcut_and_auto(parts, tmp_path):
     assert "auto+dcut" in proc.stdout
 
 
+def test_generate_cli_decodes_as_the_engine_serves(parts):
+    """`angelspec generate --engine` uses the engine's weights and router: its text is the
+    engine's own greedy output (the reference the served model is tested against)."""
+    import subprocess
+    import sys
+
+    root, _, _ = parts
+    cmd = [sys.executable, "-m", "angelspec.cli", "generate", "--engine", str(root / "engine"),
+           "--prompt", "hello there", "--no-chat", "--max-new-tokens", "12", "--max-len", "200"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[auto]" in proc.stderr  # the engine's default drafter
+    eng = load_engine(root / "engine", max_batch=1, max_len=200)
+    ids = eng.target.tokenizer.encode("hello there", add_special_tokens=False)
+    ref = eng.generate([Request(ids, SamplingParams(max_new_tokens=12), "none")])[0]
+    assert proc.stdout == eng.target.decode(ref.tokens) + "\n"
+
+
 def test_trtllm_export_follows_the_documented_format(parts, tmp_path):
     """TensorRT-LLM cannot be installed here: check the files against its documented format
     (DFlashDecodingConfig, DFlashForCausalLM.load_weights, the draft_len_schedule validator)."""
