@@ -42,11 +42,10 @@ def cmd_generate(args) -> int:
 
     params = _params(args)
     if args.engine:  # as the engine serves: its weights, backend, drafts and router
-        from angelspec.checkpoint import load_target
         from angelspec.runtime.engine_dir import load_engine
 
-        target = load_target(pathlib.Path(args.engine) / "target", max_len=args.max_len)
-        engine = load_engine(args.engine, max_batch=1, max_len=args.max_len, target=target)
+        engine = load_engine(args.engine, max_batch=1, max_len=args.max_len)
+        target = engine.target
         args.drafter = args.drafter or engine.default_drafter
     else:
         target = _target(args.target)

@@ -100,8 +100,13 @@ class Frozen:
         self.vocab_ids = vocab_ids.long()
         self.lm_head = model.lm_head[self.vocab_ids].contiguous()
         # a target serving bf16 weights: the draft's logits use the same tiles, at half the bytes
-        bf16 = getattr(model, "weights", "float32") == "bfloat16" and can_pack(self.lm_head)
-        self.head_mm = pack_bf16(self.lm_head) if bf16 else self.lm_head
+        # (over the whole vocabulary, the target's own packed lm_head)
+        self.head_mm = self.lm_head
+        if getattr(model, "weights", "float32") == "bfloat16":
+            if torch.equal(self.vocab_ids, torch.arange(cfg.vocab_size)):
+                self.head_mm = model.head_w
+            elif can_pack(self.lm_head):
+                self.head_mm = pack_bf16(self.lm_head)
         # target id -> draft vocabulary index (-1: outside the draft vocabulary)
         self.index = torch.full((cfg.vocab_size,), -1, dtype=torch.long)
         self.index[self.vocab_ids] = torch.arange(len(self.vocab_ids))
