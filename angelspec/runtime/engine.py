@@ -368,12 +368,12 @@ class Engine:
             spent[name] = time.perf_counter() - t0
             if self.router is not None:
                 self.router.note_draft_time(name, spent[name] / len(idx))
-        out = []
-        for s, p in zip(active, props):
-            # never draft past the token budget or the cache (the bonus token always comes)
-            room = min(s.params.max_new_tokens - len(s.output), self.max_len - len(s.tokens)) - 1
-            out.append(p.clip(max(room, 0)))
-        return out, spent
+        return [p.clip(self._room(s)) for s, p in zip(active, props)], spent
+
+    def _room(self, s: RequestState) -> int:
+        """Draft tokens request s can still use: never past its token budget or the cache (the
+        bonus token always comes)."""
+        return max(min(s.params.max_new_tokens - len(s.output), self.max_len - len(s.tokens)) - 1, 0)
 
     def _curve(self, batch: int):
         """C_B(n) for a forward over `batch` requests: (n, seconds) tensors and a function."""
@@ -403,7 +403,8 @@ class Engine:
     def _step(self, active: list[RequestState]) -> list[tuple[RequestState, list[int]]]:
         self.steps += 1
         t_step = time.perf_counter()
-        names = [s.drafter for s in active]
+        # a request on its last token does not draft (nor tell the gate its drafter brought 0)
+        names = [s.drafter if self._room(s) else "none" for s in active]
         gate = self.gate if self.dcut else None  # D-cut off: fixed draft lengths
         t_fixed = max(self.t_fixed + self.fwd_offset.get(len(active), 0.0), 0.0)
         if gate is not None:

@@ -15,15 +15,19 @@ always lossless: a request that does not draft gets its next token from the veri
 forward, exactly as `none`. Only used with D-cut (D-cut off means fixed draft lengths).
 
 A drafter whose drafting costs at most CHEAP of the step (ngram) always
-drafts: then there is no drafting time to save, and what its drafts cost to verify is D-cut's
-call, made on each draft's own confidence. Judged by the running estimates instead, a run of
-failed copies would bench it for up to MAX_BACKOFF steps, and the matches in between go unused.
+drafts: then there is at most CHEAP of the step to save, and what its drafts cost to verify is
+D-cut's call, made on each draft's own confidence. Judged by the running estimates instead, a
+run of failed copies would bench it for up to MAX_BACKOFF steps, and the matches in between go
+unused: its probes are single requests, whose accepted length is mostly 0 or a whole copy, so
+the estimate climbs back slowly while the backoff doubles. CHEAP was 2% until the bf16 forward
+halved the step: ngram's ~50 us per request then came to 2.6% of a 16-request step, and a
+served 16-client run spent the rest of its time with ngram benched (accept rate 0).
 """
 from __future__ import annotations
 
 MAX_BACKOFF = 32
 EMA = 0.3  # weight of the newest observation
-CHEAP = 0.02  # drafting below this fraction of the step's time is never skipped
+CHEAP = 0.05  # drafting below this fraction of the step's time is never skipped
 
 
 class DraftGate:
