@@ -63,16 +63,34 @@ void score_keys(const float* const* q, const float* kt, int64_t M, int64_t lo, i
 }
 
 // Turns one head's scores into unnormalised softmax weights in place; returns 1 / their sum.
+// Vectorised (a scalar max and sum would be a chain of dependent adds, most of the attention's
+// time at a few hundred keys): the max is exact in any order; the sum keeps 8 lanes (lane l adds
+// keys j = l mod 8 in order), then a fixed horizontal sum, then the tail in order. The order
+// depends on len only, so a row's weights still never depend on its neighbours.
 inline float softmax_weights(float* scores, int64_t len) {
-  float mx = -__builtin_inff();
-  for (int64_t j = 0; j < len; ++j) mx = scores[j] > mx ? scores[j] : mx;
   const int64_t l8 = len & ~int64_t(7);
+  __m256 mv8 = _mm256_set1_ps(-__builtin_inff());
+  for (int64_t j = 0; j < l8; j += 8) mv8 = _mm256_max_ps(mv8, _mm256_loadu_ps(scores + j));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mv8), _mm256_extractf128_ps(mv8, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  float mx = _mm_cvtss_f32(m4);
+  for (int64_t j = l8; j < len; ++j) mx = scores[j] > mx ? scores[j] : mx;
   const __m256 mv = _mm256_set1_ps(mx);
-  for (int64_t j = 0; j < l8; j += 8)
-    _mm256_storeu_ps(scores + j, exp256(_mm256_sub_ps(_mm256_loadu_ps(scores + j), mv)));
-  for (int64_t j = l8; j < len; ++j) scores[j] = __builtin_expf(scores[j] - mx);
-  float total = 0.f;
-  for (int64_t j = 0; j < len; ++j) total += scores[j];
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t j = 0; j < l8; j += 8) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(scores + j), mv));
+    _mm256_storeu_ps(scores + j, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
+  float total = _mm_cvtss_f32(s4);
+  for (int64_t j = l8; j < len; ++j) {
+    scores[j] = __builtin_expf(scores[j] - mx);
+    total += scores[j];
+  }
   return 1.0f / total;
 }
 
