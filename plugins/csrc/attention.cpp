@@ -17,9 +17,9 @@
 #include "attention_tile.h"
 
 void attend_items_avx512(const float* qp, const float* kp, const float* vp, float* op,
-                         const int64_t* slots, const int64_t* pos, int64_t H, int64_t Hkv,
-                         int64_t M, int64_t D, int64_t window, float scale, int64_t a, int64_t b,
-                         float* buf);
+                         const int64_t* slots, const int64_t* pos, int64_t N, int64_t H,
+                         int64_t Hkv, int64_t M, int64_t D, int64_t window, float scale, int64_t a,
+                         int64_t b, float* buf);
 
 // q [N, H, D]; k, v [N, Hkv, D] (this forward's keys/values, written into the caches first);
 // k_cache [S, Hkv, D, M] (transposed), v_cache [S, Hkv, M, D]; slots, positions [N] (int64); window <= 0: none.
@@ -72,7 +72,7 @@ torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& k,
   auto* fn = use_avx512() ? &attend_items_avx512 : &attend_items<V256>;
   at::parallel_for(0, N * Hkv, 1, [&](int64_t a, int64_t b) {
     std::vector<float> buf((H / Hkv) * max_len);
-    fn(qp, kp, vp, op, slp, pp, H, Hkv, M, D, window, scale, a, b, buf.data());
+    fn(qp, kp, vp, op, slp, pp, N, H, Hkv, M, D, window, scale, a, b, buf.data());
   });
   return out;
 }

@@ -125,15 +125,17 @@ void weighted_values(float* const* w, const float* inv, int64_t len, const float
     }
 }
 
-// Work items [a, b) of N * Hkv (row n, kv head): the `group` query heads of that kv head.
-// buf holds group * (max position + 1) floats.
+// Work items [a, b) of Hkv * N (kv head, row n): the `group` query heads of that kv head. Items
+// run kv head by kv head, so the rows of one request (adjacent) reuse that head's keys and values
+// while they are still in cache. buf holds group * (max position + 1) floats.
 template <class V>
 void attend_items(const float* qp, const float* kp, const float* vp, float* op,
-                  const int64_t* slots, const int64_t* pos, int64_t H, int64_t Hkv, int64_t M,
-                  int64_t D, int64_t window, float scale, int64_t a, int64_t b, float* buf) {
+                  const int64_t* slots, const int64_t* pos, int64_t N, int64_t H, int64_t Hkv,
+                  int64_t M, int64_t D, int64_t window, float scale, int64_t a, int64_t b,
+                  float* buf) {
   const int64_t group = H / Hkv;
   for (int64_t nk = a; nk < b; ++nk) {
-    const int64_t n = nk / Hkv, kvh = nk % Hkv, p = pos[n];
+    const int64_t n = nk % N, kvh = nk / N, p = pos[n];
     const int64_t lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
     const int64_t len = p - lo + 1;
     const int64_t base = (slots[n] * Hkv + kvh) * M * D;  // same offset in k [D, M] and v [M, D]
