@@ -32,7 +32,8 @@ def verify_greedy(logits: Tensor, draft: Tensor, lengths: Tensor) -> tuple[Tenso
     """logits [N, V] (N = sum(lengths + 1)), draft [sum(lengths)], lengths [B]: keep each draft
     token while it is the target's argmax at its position."""
     lengths, row0, req, local, row = _segments(lengths)
-    best = logits.argmax(-1)
+    # max's indices are argmax's (the first maximum), at a third of the time on CPU
+    best = logits.max(-1).indices
     accepted = _leading(best[row] == draft, lengths, req, local)
     return accepted, best[row0 + accepted]
 
