@@ -62,28 +62,31 @@ def train_router(target, data: pathlib.Path) -> tuple[DomainClassifier, dict]:
 NGRAM_LENGTHS = (3, 5, 7)  # ngram draft lengths the build measures (the fastest is served)
 
 
-def tune_ngram(target, drafts_dir: pathlib.Path) -> tuple[int, dict]:
+def tune_ngram(target, drafts_dir: pathlib.Path, cost=None) -> tuple[int, dict]:
     """ngram's draft length: the fastest of NGRAM_LENGTHS (tokens/s over all domains, the same
-    prompts and turns as calibrate_routes). Cheap verification (bf16 weights on AMX: 8 tokens cost
-    ~1.1x one) pays for longer copies; a compute-bound forward does not."""
+    prompts and turns as calibrate_routes, with D-cut over `cost` as the engine serves). Cheap
+    verification (bf16 weights on AMX: 8 tokens cost ~1.1x one) pays for longer copies; a
+    compute-bound forward does not."""
     names = {f"ngram:draft_len={n}": n for n in NGRAM_LENGTHS}
-    _, speed = calibrate_routes(target, drafts_dir, list(names))
+    _, speed = calibrate_routes(target, drafts_dir, list(names), cost)
     mean = {str(n): round(sum(s[c] for s in speed.values()) / len(speed), 2)
             for c, n in names.items()}
     return int(max(mean, key=mean.get)), mean
 
 
-def calibrate_routes(target, drafts_dir: pathlib.Path, candidates: list[str], per_domain: int = 3,
-                     max_new: int = 64, draft_lens: dict | None = None) -> tuple[dict, dict]:
+def calibrate_routes(target, drafts_dir: pathlib.Path, candidates: list[str], cost=None,
+                     per_domain: int = 3, max_new: int = 64,
+                     draft_lens: dict | None = None) -> tuple[dict, dict]:
     """Each domain's starting drafter for `auto`: the candidate with the most tokens/s on the first
     `per_domain` bundled benchmark prompts of that domain (never the data step's held-out split),
-    drafters taking turns prompt by prompt on this machine."""
+    drafters taking turns prompt by prompt on this machine; with D-cut (and its gate) over the
+    cost table `cost` when given, as the engine serves."""
     from angelspec.runtime import Engine, Request, SamplingParams
 
     rows = [r for r in load_prompts(DEFAULT_PROMPTS, per_domain) if r["domain"] in DOMAINS]
     ids = [target.encode_chat(r["prompt"]) for r in rows]
     engine = Engine(target, max_batch=1, max_len=max(map(len, ids)) + max_new + 1,
-                    drafts=str(drafts_dir), draft_lens=draft_lens)
+                    drafts=str(drafts_dir), draft_lens=draft_lens, dcut=cost is not None, cost=cost)
     params = SamplingParams(max_new_tokens=max_new)
     tokens = {(d, c): 0 for d in DOMAINS for c in candidates}
     seconds = dict.fromkeys(tokens, 0.0)
@@ -122,7 +125,7 @@ def build(target_dir: str, drafts_dir: str, out: str, data_dir: str | None = Non
           drafters: list[str] | None = None, backends: tuple = ("eager", "inductor"),
           min_gain: float = 1.2, dcut: bool = True, max_tokens: int = SKINNY_MAX_ROWS,
           export: str | None = None, weights: str = "auto") -> dict:
-    from angelspec.builders.backend import choose
+    from angelspec.builders.backend import choose, use_backend
 
     target_dir, drafts_dir, out = pathlib.Path(target_dir), pathlib.Path(drafts_dir), pathlib.Path(out)
     target = load_target(target_dir)
@@ -145,9 +148,20 @@ def build(target_dir: str, drafts_dir: str, out: str, data_dir: str | None = Non
         if not Datastore.fits(store, target):
             raise CheckpointError(f"{store} was built with another tokenizer than {target_dir}'s")
         specs["ngram"]["path"] = "drafts/ngram"
+    # the cost profile first: ngram's draft length is tuned as the engine serves (D-cut on it)
+    bar.set_postfix_str("backends")
+    backend = choose(target.model, backends, min_gain)
+    use_backend(target.model, backend["chosen"])  # profiled and measured as it will serve
+    bar.update()
+
+    bar.set_postfix_str("profiling D-cut cost")
+    cost = profile(target.model, max_tokens=max_tokens, backend=backend["chosen"])
+    bar.update()
+
+    served = cost if dcut else None
     bar.set_postfix_str("ngram draft length")
     specs["ngram"]["max_draft_len"], specs["ngram"]["tokens_per_s_by_draft_len"] = \
-        tune_ngram(target, drafts_dir)
+        tune_ngram(target, drafts_dir, served)
     bar.update()
 
     bar.set_postfix_str("copying parts")
@@ -176,20 +190,14 @@ def build(target_dir: str, drafts_dir: str, out: str, data_dir: str | None = Non
         save_file(clf.state_dict(), str(out / "router.safetensors"))
         candidates = [c for c in ("mtp", "dfly", "ngram") if c in set(kinds) | {"ngram"}]
         bar.set_postfix_str("router: measuring drafters per domain")
+        # at fixed draft lengths: the drafters' own speed (under D-cut the gate would run a
+        # losing drafter as `none`, which on 3 prompts can tie a weak domain's best by chance)
         routes, speed = calibrate_routes(target, drafts_dir, candidates,
                                          draft_lens={"ngram": specs["ngram"]["max_draft_len"]})
         router = {**Router(None, routes, tuple(candidates), contenders=contenders(speed)).settings(),
                   "domains": list(DOMAINS),
                   "classifier": "router.safetensors", "accuracy": accuracy,
                   "calibration_tokens_per_s": speed, "design_routes": DEFAULT_ROUTES}
-    bar.update()
-
-    bar.set_postfix_str("backends")
-    backend = choose(target.model, backends, min_gain)
-    bar.update()
-
-    bar.set_postfix_str("profiling D-cut cost")
-    cost = profile(target.model, max_tokens=max_tokens, backend=backend["chosen"])
     bar.update()
 
     bar.set_postfix_str("manifest")

@@ -229,6 +229,30 @@ def test_router_prices_drafting_time_at_the_engines_load():
         assert router.observe(route, "ngram", 1, 3, [], cost) == ("mtp" if switch else "ngram")
 
 
+def test_confirmed_requests_lengthen_the_next_ones_first_shadow_interval():
+    """Each finished request whose scores confirmed its drafter doubles the interval the next
+    request of its domain starts at (up to max_every); a switch resets it."""
+    router = Router(None, routes={"chat": "ngram"}, candidates=("ngram", "mtp"), shadow_every=4,
+                    max_every=32, min_obs=2)
+
+    def request(confirmed: bool) -> int:
+        name, route = router.first([1, 2, 3], lambda n: True)
+        route.evidence["mtp"] = DrafterEvidence(3 if confirmed else 1, accepted=0, drafted=9)
+        route.used[name] = 10
+        router.finish(route)
+        return route.first_interval
+
+    assert [request(True) for _ in range(5)] == [4, 8, 16, 32, 32]
+    assert request(False) == 32  # too little evidence: says nothing
+    _, route = router.first([1, 2, 3], lambda n: True)
+    route.switches.append((5, "ngram", "mtp"))
+    router.finish(route)
+    assert request(True) == 4
+    _, route = router.first([1], lambda n: True)
+    assert router.shadow_due(route, "ngram", lambda n: True) is None
+    assert route.interval == route.next_shadow == 8
+
+
 def test_route_cost_is_the_cost_tables_curve():
     from angelspec.plugins import interpolate_cost
     from angelspec.runtime.router import route_cost

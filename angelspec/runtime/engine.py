@@ -298,6 +298,8 @@ class Engine:
                      route.switches if route else [])
 
     def _release(self, s: RequestState) -> None:
+        if s.route is not None:
+            self.router.finish(s.route)
         for name, view in s.views.items():
             self.drafters[name].release(view)
         self.free.append(s.slot)
