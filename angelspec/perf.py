@@ -19,6 +19,10 @@ import time
 
 import numpy as np
 
+# requests per point: at least TURNS per client. The first wave's prefills queue (every client
+# starts at once) and the last wave drains below the concurrency; with two turns those edges were
+# a fifth of a 16-client point, and its speedup moved by +-10% from run to run
+TURNS = 4
 FIELDS = ["dcut", "drafter", "concurrency", "requests", "output_tok_s", "ttft_p50_ms",
           "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "step_ms", "accept_rate"]
 
@@ -273,7 +277,8 @@ def sweep(engine_dir: str, prompts: list[str], drafters: list[str], dcuts: list[
                     inputs = out / f"inputs-{d}.json"
                     write_inputs(inputs, prompts, d, max_tokens)
                     row = run_point(ports["grpc"], ports["metrics"], inputs, n,
-                                    out / f"export-{dcut}-{d}-{n}.json", max(min_requests, 2 * n),
+                                    out / f"export-{dcut}-{d}-{n}.json",
+                                    max(min_requests, TURNS * n),
                                     env, count, log)
                     rows.append({"dcut": dcut, "drafter": d, "concurrency": n, **row})
                     if n == 1:  # the server's own overhead, served and in-process interleaved
@@ -427,7 +432,7 @@ def add_arguments(p) -> None:
     p.add_argument("--concurrency", default="1,2,4,8,16", help="comma-separated concurrency levels")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--requests", type=int, default=12,
-                   help="requests measured per point (at least twice the concurrency)")
+                   help="requests measured per point (at least four times the concurrency)")
     p.add_argument("--out", default="build/perf", help="folder for perf.csv, perf.png, perf.json, logs")
 
 
