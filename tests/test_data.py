@@ -13,7 +13,7 @@ from angelspec.runtime import Engine, Request, SamplingParams
 from angelspec.model import Segment
 from angelspec.training import data
 from angelspec.training.data import DOMAINS, Sequences, build
-from angelspec.training.sources import prompts
+from angelspec.training.sources import held_out, prompts
 
 FORBIDDEN = ("gsm", "humaneval", "mbpp", "mt_bench", "mt-bench", "hendrycks", "competition_math")
 SETTINGS = dict(counts={d: 2 for d in DOMAINS}, heldout=1, max_new_tokens=8,
@@ -30,6 +30,22 @@ def test_sources_are_deterministic_deduplicated_and_clean(domain):
         assert set(r) == {"prompt", "domain", "source"} and r["domain"] == domain
         assert 0 < len(r["prompt"]) <= 1200 and r["prompt"] not in bench
         assert not any(f in r["source"].lower() for f in FORBIDDEN)
+
+
+def test_no_preset_trains_on_another_presets_held_out_prompts(default_target, tmp_path):
+    """The split is decided by each prompt's hash, not by its place in a draw: a smaller and a
+    larger data step (the quick and full presets draw different lists) never cross it."""
+    sets = {}
+    for name, n in (("small", 6), ("large", 24)):
+        out = tmp_path / name
+        out.mkdir()
+        train, held = data._prompt_sets(default_target, out, {d: n for d in DOMAINS}, 2, 256, 0)
+        assert len(held) == 2 * len(DOMAINS) and len(train) == n * len(DOMAINS)
+        assert all(held_out(r["prompt"]) for r in held) and not any(held_out(r["prompt"]) for r in train)
+        sets[name] = ({r["prompt"] for r in train}, {r["prompt"] for r in held})
+    (small_train, small_held), (large_train, large_held) = sets["small"], sets["large"]
+    assert not small_held & large_train and not large_held & small_train
+    assert small_train & large_train  # the same sources: the sets do overlap on their own sides
 
 
 def test_a_missing_source_package_names_the_pip_command(monkeypatch):

@@ -33,7 +33,7 @@ from angelspec.runtime.engine import Engine, Request  # before angelspec.drafter
 from angelspec.runtime.sampling import SamplingParams
 from angelspec.drafters.target_layers import training_layers
 from angelspec.model import Segment
-from angelspec.training.sources import prompts as draw_prompts
+from angelspec.training.sources import HELDOUT_EVERY, held_out, prompts as draw_prompts
 
 FORMAT = 1
 DOMAINS = ("chat", "code", "math")
@@ -69,13 +69,19 @@ def _prompt_sets(target, out, counts, heldout, max_prompt_tokens, seed):
         return _read_jsonl(train_f), _read_jsonl(held_f)
     train, held = [], []
     for d in DOMAINS:
-        want = counts.get(d, 0) + heldout
         if not counts.get(d, 0):
             continue
-        rows = [r for r in draw_prompts(d, want + want // 4 + 4, seed)  # spares for the filter
-                if len(target.encode_chat(r["prompt"])) <= max_prompt_tokens][:want]
-        held += rows[:heldout]
-        train += rows[heldout:]
+        n = counts[d] + HELDOUT_EVERY * heldout
+        while True:  # draw more until both sides are full (or the source runs out)
+            drawn = draw_prompts(d, n + n // 4 + 4, seed)  # spares for the length filter
+            rows = [r for r in drawn if len(target.encode_chat(r["prompt"])) <= max_prompt_tokens]
+            mine = [r for r in rows if held_out(r["prompt"])][:heldout]
+            rest = [r for r in rows if not held_out(r["prompt"])][:counts[d]]
+            if (len(mine), len(rest)) == (heldout, counts[d]) or len(drawn) < n + n // 4 + 4:
+                break
+            n *= 2
+        held += mine
+        train += rest
     random.Random(seed).shuffle(train)  # domains mixed within shards
     _write(held_f, _jsonl(held))
     _write(train_f, _jsonl(train))

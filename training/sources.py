@@ -48,6 +48,17 @@ def _key(text: str) -> str:
     return " ".join(text.lower().split())
 
 
+HELDOUT_EVERY = 8  # 1 prompt in 8 (by its hash) is on the held-out side
+
+
+def held_out(prompt: str) -> bool:
+    """Whether a prompt is on the held-out side: decided by the prompt itself (a hash of its
+    normalised text, 1 in HELDOUT_EVERY), so no preset, count or seed ever trains on a prompt
+    that another one holds out (the split used to be the first N of each draw, and the quick and
+    full presets draw different lists)."""
+    return zlib.crc32(_key(prompt).encode()) % HELDOUT_EVERY == 0
+
+
 def _bench_prompts() -> set[str]:
     from angelspec.bench import DEFAULT_PROMPTS
 
