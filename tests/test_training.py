@@ -10,7 +10,7 @@ import pytest
 from angelspec.checkpoint import load_target
 from angelspec.drafters.draft_checkpoint import load_draft
 from angelspec.training.data import build
-from angelspec.training.train import load_recipe, train
+from angelspec.training.train import load_recipe, train, use_bf16
 from conftest import make_checkpoint
 
 
@@ -50,6 +50,9 @@ def test_recipes_resolve_and_reject_mistakes():
         load_recipe("mtp", overrides=["learning_rate=1"])
     with pytest.raises(ValueError, match="unknown recipe 'eagle'"):
         load_recipe("eagle")
+    assert (use_bf16("bf16"), use_bf16("none")) == (True, False)
+    with pytest.raises(ValueError, match="auto, bf16 or none"):
+        use_bf16(False)  # YAML reads a bare `off` as False
 
 
 @pytest.mark.parametrize("kind", ["mtp", "dfly", "dflash"])

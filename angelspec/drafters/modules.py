@@ -24,8 +24,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(h))
         self.eps = eps
 
-    def forward(self, x):
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+    def forward(self, x):  # in float32 (a no-op at serving; under bf16 autocast, the fused kernel)
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight, self.eps)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -118,7 +118,7 @@ class Frozen:
     def logits(self, h: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states [..., h] -> logits over the draft vocabulary (the target's final norm and
         lm_head), or only over draft-vocabulary indices `rows` [..., k] (re-scoring candidates)."""
-        hn = F.rms_norm(h, (h.shape[-1],), self.norm_w, self.eps)
+        hn = F.rms_norm(h.float(), (h.shape[-1],), self.norm_w, self.eps)
         if rows is None:
             return linear(hn, self.head_mm)
         return (self.lm_head[rows] @ hn.unsqueeze(-1)).squeeze(-1)
