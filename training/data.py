@@ -73,11 +73,12 @@ def _prompt_sets(target, out, counts, heldout, max_prompt_tokens, seed):
             continue
         n = counts[d] + HELDOUT_EVERY * heldout
         while True:  # draw more until both sides are full (or the source runs out)
-            drawn = draw_prompts(d, n + n // 4 + 4, seed)  # spares for the length filter
+            asked = n + n // 4 + 4  # spares for the length filter
+            drawn = draw_prompts(d, asked, seed)
             rows = [r for r in drawn if len(target.encode_chat(r["prompt"])) <= max_prompt_tokens]
             mine = [r for r in rows if held_out(r["prompt"])][:heldout]
             rest = [r for r in rows if not held_out(r["prompt"])][:counts[d]]
-            if (len(mine), len(rest)) == (heldout, counts[d]) or len(drawn) < n + n // 4 + 4:
+            if (len(mine), len(rest)) == (heldout, counts[d]) or len(drawn) < asked:
                 break
             n *= 2
         held += mine

@@ -138,8 +138,7 @@ class Engine:
         self.cost = cost
         self._curves: dict = {}  # requests in a forward -> (C_B(n) tensors, C_B(n) function)
         # with D-cut, drafters whose drafting costs more than it brings sit steps out
-        self._cost_fn = route_cost(cost)  # C(n) in seconds (None without a table)
-        self.gate = DraftGate(self._cost_fn) if cost else None
+        self.gate = DraftGate(route_cost(cost)) if cost else None
         self.router = router
         self.prefill_time = 0.0  # seconds spent in prompt forwards (benchmarks separate decoding)
         self.steps = 0  # verification forwards run (one serves every active request)
@@ -409,13 +408,15 @@ class Engine:
         names = [s.drafter if self._room(s) else "none" for s in active]
         gate = self.gate if self.dcut else None  # D-cut off: fixed draft lengths
         t_fixed = max(self.t_fixed + self.fwd_offset.get(len(active), 0.0), 0.0)
+        # C_B(n) of this step's B requests, for the gate, the router and the calibration offset
+        curve = self._curve(len(active))[1] if self.cost is not None else None
         if gate is not None:
-            names = gate.plan(self.steps, names, t_fixed, self._curve(len(active))[1])
+            names = gate.plan(self.steps, names, t_fixed, curve)
         props, drafting = self._propose(active, names)
         shadow = {}  # routed requests: one other candidate drafts too, every few steps
         for i, s in enumerate(active):
             if s.route is not None:
-                name = self.router.shadow_due(s.route, s.drafter, self.available, self._cost_fn)
+                name = self.router.shadow_due(s.route, s.drafter, self.available, curve)
                 if name:
                     shadow[i] = name
         if shadow:
@@ -434,14 +435,13 @@ class Engine:
         logits, hidden = self.model.forward(tokens, self.model.batch(segments),
                                             self.cache, capture=self._capture(active))
         t_fwd = time.perf_counter() - t_fwd
-        if self.cost is not None:
-            off = t_fwd - self._curve(len(active))[1](len(tokens))
+        if curve is not None:
+            off = t_fwd - curve(len(tokens))
             old = self.fwd_offset.get(len(active))
             self.fwd_offset[len(active)] = off if old is None else 0.8 * old + 0.2 * off
         verdicts = verify_batch(logits, [p.tokens for p in props], [p.q for p in props],
                                 [s.params for s in active], [s.generator for s in active])
         out, row = [], 0
-        cost = self._cost_fn if shadow or any(s.route for s in active) else None
         for s, p, (accepted, new) in zip(active, props, verdicts):
             k = len(p.tokens)
             s.stats.steps += 1
@@ -452,7 +452,7 @@ class Engine:
             self._on_commit(s, hidden, row, row + accepted + 1)
             if s.route is not None:
                 s.route.used[s.drafter] = s.route.used.get(s.drafter, 0) + 1
-                s.drafter = self.router.observe(s.route, s.drafter, accepted, k, s.tokens, cost)
+                s.drafter = self.router.observe(s.route, s.drafter, accepted, k, s.tokens, curve)
             out.append((s, committed))
             row += k + 1
         if gate is not None:

@@ -83,6 +83,9 @@ def load_engine(path: str | pathlib.Path, max_batch: int = 8, max_len: int = 204
         else:
             print("angelspec: this CPU has no AMX-BF16 tiles; serving the engine's weights as "
                   "float32 (outputs can differ from the build machine's)", file=sys.stderr)
+    if backend != "eager":  # before any re-profiling: the profile measures the served forward
+        from angelspec.builders.backend import use_backend
+        use_backend(target.model, backend)
     cost = CostTable.from_json(manifest["dcut"]["profile"])
     here = fingerprint(backend, target.model.weights)
     if cost.fingerprint != here:
@@ -98,9 +101,6 @@ def load_engine(path: str | pathlib.Path, max_batch: int = 8, max_len: int = 204
                         r["routes"], tuple(r["candidates"]), shadow_every=r["shadow_every"],
                         min_obs=r["min_obs"], margin=r["margin"], max_every=r["max_every"],
                         budget=r["budget"], contenders=r.get("contenders"))
-    if backend != "eager":
-        from angelspec.builders.backend import use_backend
-        use_backend(target.model, backend)
     engine = Engine(target, max_batch=max_batch, max_len=max_len, drafts=str(path / "drafts"),
                     dcut=manifest["defaults"]["dcut"] if dcut is None else dcut, cost=cost,
                     router=router, draft_lens={k: d["max_draft_len"]
