@@ -27,15 +27,20 @@ def _leading(ok: Tensor, lengths: Tensor, req: Tensor, local: Tensor) -> Tensor:
     return lengths.clone().scatter_reduce_(0, req, first_bad, "amin", include_self=True)
 
 
+def _accept(own: Tensor, draft: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
+    """own [N]: the target's own token at every row. Keep each draft token while it equals the
+    target's own token at its position; the step ends with the target's own token after them."""
+    lengths, row0, req, local, row = _segments(lengths)
+    accepted = _leading(own[row] == draft, lengths, req, local)
+    return accepted, own[row0 + accepted]
+
+
 @torch.library.custom_op("angelspec::verify_greedy", mutates_args=())
 def verify_greedy(logits: Tensor, draft: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
     """logits [N, V] (N = sum(lengths + 1)), draft [sum(lengths)], lengths [B]: keep each draft
     token while it is the target's argmax at its position."""
-    lengths, row0, req, local, row = _segments(lengths)
     # max's indices are argmax's (the first maximum), at a third of the time on CPU
-    best = logits.max(-1).indices
-    accepted = _leading(best[row] == draft, lengths, req, local)
-    return accepted, best[row0 + accepted]
+    return _accept(logits.max(-1).indices, draft, lengths)
 
 
 @verify_greedy.register_fake
@@ -51,31 +56,22 @@ def sample_inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
 
 
 @torch.library.custom_op("angelspec::verify_rejection", mutates_args=())
-def verify_rejection(probs: Tensor, draft: Tensor, q: Tensor, lengths: Tensor,
+def verify_rejection(probs: Tensor, draft: Tensor, lengths: Tensor,
                      uniforms: Tensor) -> tuple[Tensor, Tensor]:
-    """Speculative rejection sampling: the committed tokens are distributed exactly as the target's.
+    """Speculative rejection sampling of deterministic proposals: the committed tokens are
+    distributed exactly as the target's.
 
     probs [N, V]: the target's distribution at every row (after temperature/top-k/top-p);
-    q [sum(lengths), V]: the distribution each draft token was drawn from (one-hot rows for a
-    deterministic proposal); uniforms [N, 2]: column 0 for the accept test of a row's draft
-    token, column 1 for drawing the row's replacement or bonus token.
+    uniforms [N]: one per row. With q one-hot at the draft token, ALGORITHMS.md section 0's rule
+    (accept with probability min(1, p/q), else sample max(p - q, 0)) is "accept iff the target's
+    own sample equals the draft"; here the target's own sample at row r is the inverse-CDF draw
+    of probs[r] at uniforms[r]. So the committed tokens are exactly those of sampling the target
+    one token at a time with the same uniforms, whatever was drafted: keyed by position, a seed
+    repeats its output under any drafter, draft length or batch.
     """
-    lengths, row0, req, local, row = _segments(lengths)
-    p_x = probs[row].gather(-1, draft[:, None])[:, 0]
-    q_x = q.gather(-1, draft[:, None])[:, 0]
-    ok = (q_x > 0) & (uniforms[row, 0] * q_x < p_x)  # u < min(1, p/q)
-    accepted = _leading(ok, lengths, req, local)
-    end = row0 + accepted
-    dist = probs[end].clone()
-    rejected = (accepted < lengths).nonzero().squeeze(-1)
-    if len(rejected):  # residual max(p - q, 0), renormalised by sampling; p itself if it is empty
-        tok = row0[rejected] - rejected + accepted[rejected]  # draft index of the rejected token
-        residual = (dist[rejected] - q[tok]).clamp_min(0.0)
-        empty = residual.sum(-1) <= 0
-        dist[rejected] = torch.where(empty[:, None], dist[rejected], residual)
-    return accepted, sample_inverse_cdf(dist, uniforms[end, 1])
+    return _accept(sample_inverse_cdf(probs, uniforms), draft, lengths)
 
 
 @verify_rejection.register_fake
-def _(probs, draft, q, lengths, uniforms):
+def _(probs, draft, lengths, uniforms):
     return lengths.new_empty(lengths.shape, dtype=torch.long), lengths.new_empty(lengths.shape, dtype=torch.long)

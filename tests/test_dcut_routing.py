@@ -174,7 +174,7 @@ def test_router_switches_away_from_a_bad_drafter_losslessly(tiny):
                  drafters={"oracle": oracle, "random": Random()})
     out = eng.generate([Request(p, SamplingParams(max_new_tokens=60), "auto") for p in ps])
     assert [r.tokens for r in out] == ref
-    long = [r for r in out if r.stats.steps >= 15]  # (some prompts reach eos early)
+    long = [r for r in out if len(r.tokens) >= 40]  # (some prompts reach eos early)
     assert len(long) >= 2
     assert all(r.switches[0][1:] == ("random", "oracle") and r.drafter == "oracle" for r in long)
 

@@ -1,4 +1,5 @@
-"""Greedy speculative decoding == batch-1 autoregressive decoding, token for token."""
+"""Speculative decoding == batch-1 autoregressive decoding, token for token: greedy, and seeded
+sampling."""
 import pytest
 import torch
 
@@ -59,6 +60,31 @@ def test_greedy_speculative_output_equals_autoregressive(tiny, batch, draft_len)
         assert all(s.committed == len(r.tokens) - 1 for s, r in zip(stats, results))
     # the oracle is right 70% of the time: some steps accept several tokens, some none
     assert sum(s.accepted for s in stats) > sum(s.steps for s in stats) * 0.3
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("dcut", [False, True])
+def test_seeded_sampling_equals_the_autoregressive_sample_whatever_is_drafted(tiny, batch, dcut):
+    """Sampling: the target's own token at each position is drawn with a uniform keyed by (seed,
+    position), and a draft token is kept iff it equals it. So a seeded speculative sample is the
+    seeded batch-1 autoregressive sample, token for token, under any drafter, draft length, D-cut
+    and batch (that it follows the target's distribution: test_sampling.py)."""
+    from angelspec.runtime.cost import CostTable, fingerprint
+
+    ps = prompts(6)
+    params = [SamplingParams(max_new_tokens=30, temperature=0.8, top_p=0.95, seed=i) for i in range(6)]
+    ar = Engine(tiny, max_batch=1, max_len=256)
+    ref = [ar.generate([Request(p, q, "ar")])[0].tokens for p, q in zip(ps, params)]
+    oracle = NoisyOracle({tuple(p): r for p, r in zip(ps, ref)}, 5, seed=2)
+    cost = CostTable([1, 8, 32, 128], [0.03 + 0.002 * (n - 1) for n in (1, 8, 32, 128)], fingerprint())
+    eng = Engine(tiny, max_batch=batch, max_len=256, drafters={"oracle": oracle}, dcut=dcut,
+                 cost=cost if dcut else None)
+    for drafter in ("oracle", "ngram"):
+        out = eng.generate([Request(p, q, drafter) for p, q in zip(ps, params)])
+        assert [r.tokens for r in out] == ref, drafter
+        if drafter == "oracle":
+            assert sum(r.stats.accepted for r in out) > sum(r.stats.steps for r in out) * 0.3
+    assert len({tuple(r) for r in ref}) == len(ref)
 
 
 @pytest.mark.parametrize("batch", [1, 4])

@@ -31,8 +31,7 @@ def test_opcheck_all_ops():
     logits, draft, lengths = ragged([3, 0, 5])
     opcheck(verify_greedy, (logits, draft, lengths))
     probs = torch.softmax(logits, -1)
-    q = torch.softmax(torch.randn(len(draft), logits.shape[1], generator=G), -1)
-    opcheck(verify_rejection, (probs, draft, q, lengths, torch.rand(len(logits), 2, generator=G)))
+    opcheck(verify_rejection, (probs, draft, lengths, torch.rand(len(logits), generator=G)))
     conf = torch.rand(len(draft), generator=G, dtype=torch.float64)
     cost = (torch.tensor([1.0, 8.0, 32.0], dtype=torch.float64), torch.tensor([0.03, 0.04, 0.09], dtype=torch.float64))
     opcheck(dcut_select, (conf, lengths, 0.01, 0.002, *cost, torch.tensor(RATIOS, dtype=torch.float64)))
@@ -61,14 +60,19 @@ def test_verify_greedy_matches_per_request_rule():
 def test_verify_rejection_batched_equals_one_by_one():
     logits, draft, lens = ragged([2, 4, 0, 3])
     probs = torch.softmax(logits / 0.7, -1)
-    q = torch.softmax(torch.randn(len(draft), probs.shape[1], generator=G), -1)
-    u = torch.rand(len(probs), 2, generator=G)
-    accepted, last = verify_rejection(probs, draft, q, lens, u)
+    u = torch.rand(len(probs), generator=G, dtype=torch.float64)
+    accepted, last = verify_rejection(probs, draft, lens, u)
+    # the target's own sample at row r: the first token whose cumulative mass passes u[r]
+    own = [int((probs[r].double().cumsum(0) <= u[r] * probs[r].double().sum()).sum())
+           for r in range(len(probs))]
     row = tok = 0
     for b, k in enumerate(lens.tolist()):
-        a1, l1 = verify_rejection(probs[row: row + k + 1], draft[tok: tok + k], q[tok: tok + k],
-                                  torch.tensor([k]), u[row: row + k + 1])
-        assert (int(a1[0]), int(l1[0])) == (int(accepted[b]), int(last[b]))
+        a1, l1 = verify_rejection(probs[row: row + k + 1], draft[tok: tok + k], torch.tensor([k]),
+                                  u[row: row + k + 1])
+        a = 0  # the rule: keep drafts while they equal the target's own inverse-CDF sample
+        while a < k and own[row + a] == draft[tok + a]:
+            a += 1
+        assert (int(a1[0]), int(l1[0])) == (int(accepted[b]), int(last[b])) == (a, int(own[row + a]))
         row, tok = row + k + 1, tok + k
 
 

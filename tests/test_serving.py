@@ -174,12 +174,11 @@ def test_nan_temperature_and_non_utf8_bytes_are_refused(server):
 
 
 def test_seeded_sampling_is_reproducible(server):
-    # drafter none: with drafts, D-cut's and the router's timing-based choices change which
-    # uniforms verification draws, so a seed alone does not pin a speculative sample yet
-    def run(seed):
+    # a seed pins the sample whatever drafts (the engine's D-cut and router decide by timing)
+    def run(seed, drafter="auto"):
         return generate(server, text_input="hello there", max_tokens=20, temperature=0.9, seed=seed,
-                        drafter="none")[1]["text_output"]
-    assert run(5) == run(5)
+                        drafter=drafter)[1]["text_output"]
+    assert run(5) == run(5) == run(5, "dfly") == run(5, "none")
     assert run(5) != run(6)
 
 

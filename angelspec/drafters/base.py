@@ -10,14 +10,13 @@ import torch
 class Proposal:
     """Up to D draft tokens for one request.
 
-    tokens [k] (long); confidence [k]: the drafter's probability that each token is right (D-cut
-    reads it); q [k, vocab]: the distribution each token was drawn from, or None when the proposal
-    is deterministic (an argmax or a lookup), which verification treats as one-hot - never pass
-    softmax(draft logits) for an argmax proposal, that biases sampled output.
+    tokens [k] (long): the drafter's best guesses (an argmax or a lookup, for sampling requests
+    too: verification accepts a token iff it equals the target's own sample there, so a guess
+    drawn at random would only match less often); confidence [k]: the drafter's probability that
+    each token is right (D-cut reads it).
     """
     tokens: torch.Tensor
     confidence: torch.Tensor
-    q: torch.Tensor | None = None
 
     @staticmethod
     def empty() -> "Proposal":
@@ -26,7 +25,7 @@ class Proposal:
     def clip(self, k: int) -> "Proposal":
         if k >= len(self.tokens):
             return self
-        return Proposal(self.tokens[:k], self.confidence[:k], None if self.q is None else self.q[:k])
+        return Proposal(self.tokens[:k], self.confidence[:k])
 
 
 class Drafter:

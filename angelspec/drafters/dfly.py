@@ -116,13 +116,13 @@ class DFlyDrafter(TrainedDrafter):
         if not self.cfg.ar_head:
             return self.choose(fz.logits(hidden), s)
         # the chain, each link conditioned on the token before it, runs as one op; it proposes
-        # the argmax at every link (q one-hot), which rejection sampling verifies exactly too
+        # the argmax at every link
         ar = model.ar
         tokens, conf = dfly_draft_head(
             hidden.contiguous(), torch.tensor(anchor), fz.embed, model.head_norm.weight,
             model.prev_norm.weight, ar.gate.weight, ar.up.weight, ar.down.weight, fz.norm_w,
             fz.lm_head, fz.vocab_ids, fz.eps, candidates(fz, hidden, self.cfg.rescore_top_k))
-        return tokens, conf, None
+        return tokens, conf
 
 
 class DFlashDrafter(DFlyDrafter):

@@ -49,7 +49,7 @@ class MTPDrafter(TrainedDrafter):
         mask = pos[:, None] >= torch.arange(n)[None, :]
         o = layer.finish(x, attend(q, keys, vals, mask))[-1:]
         st["real"] = n
-        tokens, confs, qs = [], [], []
+        tokens, confs = [], []
         for step in range(k):
             if step:  # own hidden state and own token from the second step on
                 x = model.inputs(fz.embed[tokens[-1]], o)
@@ -57,9 +57,7 @@ class MTPDrafter(TrainedDrafter):
                 q, kk, vv = layer.qkv(x, *fz.rope_tables(torch.tensor([p])))
                 cache.write(p, kk, vv)
                 o = layer.finish(x, attend(q, *cache.upto(p + 1)))
-            t, c, qrow = self.choose(fz.logits(o), s)
+            t, c = self.choose(fz.logits(o), s)
             tokens.append(t)
             confs.append(c)
-            qs.append(qrow)
-        q = None if qs[0] is None else torch.cat(qs)
-        return torch.cat(tokens), torch.cat(confs), q
+        return torch.cat(tokens), torch.cat(confs)

@@ -32,25 +32,20 @@ class GrowingKV:
         return self.k[:, :end], self.v[:, :end]
 
 
-def choose(logits: torch.Tensor, ids: torch.Tensor, state, vocab_size: int):
+def choose(logits: torch.Tensor, ids: torch.Tensor, state) -> tuple[torch.Tensor, torch.Tensor]:
     """Draft logits [n, m] over target token ids `ids` ([m] or [n, m]) -> (tokens [n],
-    confidence [n], q rows [n, vocab] or None).
-
-    Greedy requests get the argmax (q None = one-hot, as verification expects). Sampling requests
-    draw from the draft's own distribution after the request's temperature/top-k/top-p, and q is
-    that distribution over target ids. The confidence is the draft's probability of its token.
-    """
-    from angelspec.runtime.sampling import probs_from_logits, sample  # runtime imports drafters
+    confidence [n]): the argmax, and the draft's probability of it under the request's
+    sampling (greedy: plain softmax; sampling: after its temperature/top-k/top-p, the chance that
+    the target's own sample is that token, if the draft were the target)."""
+    from angelspec.runtime.sampling import probs_from_logits  # runtime imports drafters
 
     ids = ids.expand(logits.shape)
     if state.params.greedy:
         probs = torch.softmax(logits.float(), -1)
-        idx = probs.argmax(-1, keepdim=True)
-        return ids.gather(-1, idx)[:, 0], probs.gather(-1, idx)[:, 0], None
-    probs = probs_from_logits(logits, state.params)
-    idx = sample(probs, state.generator)[:, None]
-    q = torch.zeros(len(idx), vocab_size).scatter_(-1, ids, probs)
-    return ids.gather(-1, idx)[:, 0], probs.gather(-1, idx)[:, 0], q
+    else:
+        probs = probs_from_logits(logits, state.params)
+    idx = probs.argmax(-1, keepdim=True)
+    return ids.gather(-1, idx)[:, 0], probs.gather(-1, idx)[:, 0]
 
 
 class TrainedDrafter(Drafter):
@@ -81,8 +76,7 @@ class TrainedDrafter(Drafter):
 
     def choose(self, logits: torch.Tensor, state, ids: torch.Tensor | None = None):
         """Tokens from draft logits over the draft vocabulary, or over target ids `ids`."""
-        return choose(logits, self.frozen.vocab_ids if ids is None else ids, state,
-                      self.cfg.vocab_size)
+        return choose(logits, self.frozen.vocab_ids if ids is None else ids, state)
 
     def release(self, state) -> None:
         state.drafter_state.clear()
@@ -106,8 +100,8 @@ class TrainedDrafter(Drafter):
         out = []
         for s in states:
             k = self.draft_len
-            tokens, conf, q = self.draft(s, k) if k > 0 else (torch.zeros(0, dtype=torch.long),) * 2 + (None,)
-            out.append(Proposal(tokens.long(), conf.float(), q))
+            tokens, conf = self.draft(s, k) if k > 0 else (torch.zeros(0, dtype=torch.long),) * 2
+            out.append(Proposal(tokens.long(), conf.float()))
         return out
 
     def draft(self, state, k: int):

@@ -11,7 +11,6 @@ routed by the engine's Router (router.py), which may switch its drafter while it
 from __future__ import annotations
 
 import time
-import zlib
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -25,7 +24,8 @@ from angelspec.plugins import RATIOS, SKINNY_MAX_ROWS, dcut_select
 from angelspec.runtime.cost import CostTable, profile
 from angelspec.runtime.gate import DraftGate
 from angelspec.runtime.router import RouteState, Router, route_cost
-from angelspec.runtime.sampling import SamplingParams, probs_from_logits, sample
+from angelspec.plugins.verify import sample_inverse_cdf
+from angelspec.runtime.sampling import SamplingParams, position_uniforms, probs_from_logits
 from angelspec.runtime.verify import verify_batch
 
 
@@ -56,7 +56,7 @@ class RequestState:
     n_prompt: int
     params: SamplingParams
     drafter: str  # the drafter drafting now (for `auto`, the router's current choice)
-    generator: torch.Generator | None
+    seed: int | None  # sampling: the request's seed (drawn at random when it gave none)
     stats: Stats = field(default_factory=Stats)
     slot: int = -1
     finish_reason: str | None = None
@@ -73,19 +73,20 @@ class RequestState:
 
     def view(self, name: str) -> "DrafterView":
         if name not in self.views:
-            gen = self.generator
-            if gen is not None and name != self.drafter:  # a shadow draft leaves the request's
-                gen = torch.Generator().manual_seed(int(gen.initial_seed()) ^ zlib.crc32(name.encode()))
-            self.views[name] = DrafterView(self, gen)
+            self.views[name] = DrafterView(self)
         return self.views[name]
+
+    def uniforms(self, n: int) -> torch.Tensor:
+        """Sampling: the uniforms of the next n positions (a function of seed and position)."""
+        return position_uniforms(self.seed, len(self.tokens), n)
 
 
 class DrafterView:
-    """What a drafter sees of a request: its tokens, params and stats, a generator, and a state
-    of its own (a routed request keeps one per candidate drafter)."""
+    """What a drafter sees of a request: its tokens, params and stats, and a state of its own
+    (a routed request keeps one per candidate drafter)."""
 
-    def __init__(self, req: RequestState, generator: torch.Generator | None):
-        self.req, self.generator, self.drafter_state = req, generator, {}
+    def __init__(self, req: RequestState):
+        self.req, self.drafter_state = req, {}
 
     def __getattr__(self, name):  # tokens, params, stats, n_prompt, ... of the request
         return getattr(self.req, name)
@@ -195,12 +196,10 @@ class Engine:
         name, route = self.drafter_key(req.drafter), None
         if name == "auto":
             name, route = self.router.first(req.prompt_ids, self.available)
-        gen = None
+        seed = None
         if not params.greedy:
-            gen = torch.Generator()
-            gen.manual_seed(params.seed if params.seed is not None else
-                            int(torch.randint(0, 2**62, ()).item()))
-        return RequestState(index, list(req.prompt_ids), len(req.prompt_ids), params, name, gen,
+            seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()))
+        return RequestState(index, list(req.prompt_ids), len(req.prompt_ids), params, name, seed,
                             route=route)
 
     def attached(self, s: RequestState) -> list[str]:
@@ -351,7 +350,7 @@ class Engine:
     def _sample_one(self, logits: torch.Tensor, s: RequestState) -> int:
         if s.params.greedy:
             return int(logits.argmax())
-        return int(sample(probs_from_logits(logits[None], s.params), s.generator))
+        return int(sample_inverse_cdf(probs_from_logits(logits[None], s.params), s.uniforms(1)))
 
     def _propose(self, active: list[RequestState], names: list[str]) -> tuple[list[Proposal], dict]:
         """One proposal per request from drafter names[i] (grouped: one call per drafter), and
@@ -439,8 +438,9 @@ class Engine:
             off = t_fwd - curve(len(tokens))
             old = self.fwd_offset.get(len(active))
             self.fwd_offset[len(active)] = off if old is None else 0.8 * old + 0.2 * off
-        verdicts = verify_batch(logits, [p.tokens for p in props], [p.q for p in props],
-                                [s.params for s in active], [s.generator for s in active])
+        verdicts = verify_batch(logits, [p.tokens for p in props], [s.params for s in active],
+                                [None if s.params.greedy else s.uniforms(len(p.tokens) + 1)
+                                 for s, p in zip(active, props)])
         out, row = [], 0
         for s, p, (accepted, new) in zip(active, props, verdicts):
             k = len(p.tokens)

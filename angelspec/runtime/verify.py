@@ -17,33 +17,32 @@ def _result(draft: torch.Tensor, accepted: int, last: int) -> tuple[int, list[in
     return accepted, draft[:accepted].tolist() + [last]
 
 
-def verify_batch(logits: torch.Tensor, drafts: list[torch.Tensor], qs: list, params: list,
-                 generators: list) -> list[tuple[int, list[int]]]:
+def verify_batch(logits: torch.Tensor, drafts: list[torch.Tensor], params: list,
+                 uniforms: list) -> list[tuple[int, list[int]]]:
     """logits [sum(k_i + 1), vocab] packed request by request (anchor row, then one per draft
-    token); drafts [k_i]; qs: the draft distributions [k_i, vocab] or None (deterministic);
-    params: each request's SamplingParams; generators: their torch.Generator (sampling)."""
+    token); drafts [k_i]; params: each request's SamplingParams; uniforms: for a sampling
+    request the [k_i + 1] uniforms of its rows' positions (sampling.position_uniforms), else
+    None."""
     lengths = torch.tensor([len(d) for d in drafts], dtype=torch.long)
     starts = (lengths + 1).cumsum(0) - (lengths + 1)
     out: list = [None] * len(drafts)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     sampled = [i for i, p in enumerate(params) if not p.greedy]
-    for group, rule in ((greedy, "greedy"), (sampled, "rejection")):
+    for group in (greedy, sampled):
         if not group:
             continue
-        rows = torch.cat([torch.arange(starts[i], starts[i] + lengths[i] + 1) for i in group])
-        part = logits if len(group) == len(drafts) else logits[rows]
+        rows = [torch.arange(starts[i], starts[i] + lengths[i] + 1) for i in group]
+        part = logits if len(group) == len(drafts) else logits[torch.cat(rows)]
         draft = torch.cat([drafts[i] for i in group]).long()
-        if rule == "greedy":
+        if group is greedy:
             accepted, last = _greedy_op(part, draft, lengths[group])
         else:
-            probs = torch.cat([probs_from_logits(part[a: a + lengths[i] + 1], params[i])
-                               for i, a in zip(group, (lengths[group] + 1).cumsum(0) - (lengths[group] + 1))])
-            vocab = probs.shape[-1]
-            q = torch.cat([torch.nn.functional.one_hot(drafts[i].long(), vocab).float()
-                           if qs[i] is None else qs[i].float() for i in group])
-            uniforms = torch.cat([torch.rand(int(lengths[i]) + 1, 2, generator=generators[i])
-                                  for i in group])
-            accepted, last = _rejection_op(probs, draft, q, lengths[group], uniforms)
+            probs, a = [], 0
+            for i in group:
+                probs.append(probs_from_logits(part[a: a + lengths[i] + 1], params[i]))
+                a += int(lengths[i]) + 1
+            accepted, last = _rejection_op(torch.cat(probs), draft, lengths[group],
+                                           torch.cat([uniforms[i] for i in group]))
         for j, i in enumerate(group):
             out[i] = _result(drafts[i], int(accepted[j]), int(last[j]))
     return out
@@ -55,13 +54,9 @@ def verify_greedy(target_logits: torch.Tensor, draft: torch.Tensor) -> tuple[int
     return _result(draft, int(accepted[0]), int(last[0]))
 
 
-def verify_rejection(target_probs: torch.Tensor, draft: torch.Tensor, draft_q: torch.Tensor | None,
-                     generator: torch.Generator | None) -> tuple[int, list[int]]:
-    """One request: target_probs [k+1, vocab] (after temperature/top-k/top-p), draft [k], draft_q
-    [k, vocab] = the distributions the draft tokens were drawn from, or None for a deterministic
-    proposal (one-hot q)."""
-    k, vocab = len(draft), target_probs.shape[-1]
-    q = torch.nn.functional.one_hot(draft.long(), vocab).float() if draft_q is None else draft_q
-    uniforms = torch.rand(k + 1, 2, generator=generator)
-    accepted, last = _rejection_op(target_probs, draft.long(), q, torch.tensor([k]), uniforms)
+def verify_rejection(target_probs: torch.Tensor, draft: torch.Tensor,
+                     uniforms: torch.Tensor) -> tuple[int, list[int]]:
+    """One request: target_probs [k+1, vocab] (after temperature/top-k/top-p), draft [k] (a
+    deterministic proposal), uniforms [k+1]: one per row."""
+    accepted, last = _rejection_op(target_probs, draft.long(), torch.tensor([len(draft)]), uniforms)
     return _result(draft, int(accepted[0]), int(last[0]))
