@@ -2,8 +2,11 @@
 
 Reports per drafter and domain: tokens/s, mean accept length (tokens per target forward), speedup
 over `ar` (this engine, autoregressive), the weight bandwidth achieved next to the machine's own,
-and `lossless` (greedy output identical to batch-1 `ar`; a divergence where the target's top-2
-logit margin is below `eps` is a near-tie, counted in `near_ties` instead of failing).
+and `lossless` (output identical to batch-1 `ar`; a divergence where the target's top-2 logit
+margin is below `eps` is a near-tie, counted in `near_ties` instead of failing). Greedy by
+default; with a temperature every prompt is sampled with its own seed (its index), and a seeded
+speculative sample must equal the seeded `ar` sample token for token (sampling.py: the target's
+own token at each position is drawn with a uniform keyed by seed and position).
 """
 from __future__ import annotations
 
@@ -110,11 +113,13 @@ def chunks(prompts: list[dict], batch_size: int) -> list[tuple[str, list[int]]]:
 
 
 def run_engine_chunk(engine: Engine, run: Run, ids: list[list[int]], chunk: list[int],
-                     domain: str, max_new: int) -> None:
-    params = SamplingParams(max_new_tokens=max_new)
+                     domain: str, max_new: int, sampling: dict | None = None) -> None:
+    """sampling: temperature and top_p (each prompt sampled with its index as seed); None: greedy."""
+    params = [SamplingParams(max_new_tokens=max_new, **(dict(sampling, seed=i) if sampling else {}))
+              for i in chunk]
     engine.dcut = run.dcut
     t0, p0, s0 = time.perf_counter(), engine.prefill_time, engine.steps
-    results = engine.generate([Request(ids[i], params, run.drafter) for i in chunk])
+    results = engine.generate([Request(ids[i], p, run.drafter) for i, p in zip(chunk, params)])
     run.add(domain, time.perf_counter() - t0, engine.prefill_time - p0, engine.steps - s0)
     for i, r in zip(chunk, results):
         run.outputs[i], run.steps[i], run.committed[i] = r.tokens, r.stats.steps, r.stats.committed
@@ -190,19 +195,26 @@ def verify_cost(target: Target, context: int = 256, sizes=(1, 2, 4, 8, 16), reps
 def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_new: int = 128,
           batch_size: int = 1, draft_len: int | None = None, eps: float = NEAR_TIE_EPS,
           with_verify_cost: bool = False, drafts: str | None = None, engine_dir: str | None = None,
-          dcut: str = "off", rounds: int = 1) -> dict:
+          dcut: str = "off", rounds: int = 1, temperature: float = 0.0, top_p: float = 1.0) -> dict:
     """batch_size: requests in flight (the engine's concurrency); dcut: off, on or both (every
     drafter runs with and without D-cut, side by side); engine_dir: serve a built engine (its
     target, drafts, router, backend and cost profile) instead of `target` + `drafts`; rounds:
     every batch runs that many times, drafters taking turns each time, and times add up (at high
     concurrency all prompts are one batch, so one round would time each drafter once, at a
-    different moment of a noisy machine)."""
+    different moment of a noisy machine); temperature > 0: seeded sampling (top_p too)."""
     from angelspec.runtime.cost import profile
     from angelspec.runtime.engine_dir import load_engine
 
     names = [d.strip() for d in drafters if d.strip()]
     names = ["ar"] + [d for d in names if d != "ar"]  # ar is the speed and lossless reference
     modes = {"off": (False,), "on": (True,), "both": (False, True)}[dcut]
+    sampling = None
+    if temperature:
+        sampling = dict(temperature=temperature, top_p=top_p)
+        SamplingParams(**sampling).validate()
+        if "hf" in names:
+            raise ValueError("hf (transformers generate) is the greedy reference: drop it from "
+                             "--drafters when sampling")
     if engine_dir:
         from angelspec.checkpoint import load_target
         target = load_target(pathlib.Path(engine_dir) / "target")
@@ -233,13 +245,13 @@ def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_n
             if run.drafter == "hf":
                 hf(run, ids, chunk, domain, max_new)
             else:
-                run_engine_chunk(engine, run, ids, chunk, domain, max_new)
+                run_engine_chunk(engine, run, ids, chunk, domain, max_new, sampling)
     ref = runs[0].outputs
     if batch_size > 1:  # the lossless reference is always batch-1 autoregressive decoding
         ref_run, single = Run("ar", len(ids)), Engine(target, max_batch=1, max_len=engine.max_len)
         for domain, chunk in tqdm(chunks(prompts, 1), desc="reference (ar, batch 1)",
                                   file=sys.stderr):
-            run_engine_chunk(single, ref_run, ids, chunk, domain, max_new)
+            run_engine_chunk(single, ref_run, ids, chunk, domain, max_new, sampling)
         ref = ref_run.outputs
     bandwidth = statistics.median(samples)
     del stream_buf
@@ -285,7 +297,8 @@ def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_n
             "domains": domains, "max_new_tokens": max_new, "concurrency": batch_size,
             "hf_batch_size": 1, "dcut": dcut, "rounds": rounds,
             "draft_len": engine.drafter("ngram").draft_len if "ngram" in names else draft_len,
-            "greedy": True, "dtype": "float32", "weights": target.model.weights,
+            "greedy": not temperature, "temperature": temperature, "top_p": top_p,
+            "dtype": "float32", "weights": target.model.weights,
             "threads": torch.get_num_threads(),
             "near_tie_eps": eps, "cpu": cpu_model(), "cores": os.cpu_count(),
             "kernel_isa": torch.backends.cpu.get_cpu_capability(),
@@ -304,7 +317,9 @@ def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_n
 def format_table(result: dict) -> str:
     cfg = result["config"]
     lines = [f"target {cfg['target']}  |  {cfg['prompts']} prompts, {cfg['max_new_tokens']} new "
-             f"tokens, {cfg['concurrency']} in flight, greedy, {cfg['threads']} threads  |  "
+             f"tokens, {cfg['concurrency']} in flight, "
+             f"{'greedy' if cfg['greedy'] else 'sampled at T=%g top_p=%g' % (cfg['temperature'], cfg['top_p'])}, "
+             f"{cfg['threads']} threads  |  "
              f"weights {cfg['weight_mb']} MB {cfg.get('weights', 'float32')}, "
              f"machine streams {cfg['stream_bandwidth_gb_per_s']} GB/s",
              f"{'drafter':<12} {'domain':<6} {'tok/s':>8} {'accept':>7} {'speedup':>8} "

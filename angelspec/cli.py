@@ -86,7 +86,8 @@ def cmd_bench(args) -> int:
     result = bench(target, prompts, args.drafters.split(","), max_new=args.max_new_tokens,
                    batch_size=args.concurrency, draft_len=args.draft_len, eps=args.eps,
                    with_verify_cost=args.verify_cost, drafts=args.drafts, engine_dir=args.engine,
-                   dcut=args.dcut, rounds=args.rounds)
+                   dcut=args.dcut, rounds=args.rounds, temperature=args.temperature,
+                   top_p=args.top_p)
     print(format_table(result))
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
@@ -183,6 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--rounds", type=int, default=1,
                    help="run every batch this many times, drafters taking turns (steadier "
                         "figures on a noisy machine, at high concurrency above all)")
+    b.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy; above: every prompt sampled with its index as seed, and each "
+                        "drafter's sample checked against the seeded ar sample")
+    b.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (with --temperature)")
     b.add_argument("--eps", type=float, default=1e-4,
                    help="top-2 logit margin below which a divergence counts as a near-tie")
     b.add_argument("--verify-cost", action="store_true",

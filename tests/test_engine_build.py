@@ -160,6 +160,20 @@ def test_bench_cli_with_engine_concurrency_dcut_and_auto(parts, tmp_path):
     assert "auto+dcut" in proc.stdout
 
 
+def test_bench_sampled_checks_every_drafter_against_the_seeded_ar_sample(parts):
+    from angelspec.bench import bench, load_prompts
+
+    root, _, _ = parts
+    prompts = load_prompts(root / "data" / "heldout.jsonl")
+    sampled = bench(None, prompts, ["ngram", "dfly", "auto"], max_new=16, batch_size=2,
+                    engine_dir=str(root / "engine"), dcut="on", temperature=1.0, top_p=0.95)
+    assert sampled["config"]["temperature"] == 1.0 and not sampled["config"]["greedy"]
+    assert all(r["lossless"] and r["near_ties"] == 0 for r in sampled["results"])
+    assert sum(r["mean_accept_len"] for r in sampled["results"]) > 0
+    with pytest.raises(ValueError, match="greedy reference"):
+        bench(None, prompts, ["hf"], engine_dir=str(root / "engine"), temperature=1.0)
+
+
 def test_generate_cli_decodes_as_the_engine_serves(parts):
     """`angelspec generate --engine` uses the engine's weights and router: its text is the
     engine's own greedy output (the reference the served model is tested against)."""
