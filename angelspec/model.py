@@ -10,6 +10,7 @@ overwritten by the next step, which is how rollback costs nothing.
 """
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 
@@ -188,6 +189,14 @@ class Llama:
             for k in self.MATMULS:
                 layer[k] = pack(layer[k])
         self.weights = "bfloat16"
+
+    def bf16_copy(self) -> "Llama":
+        """This model with its matmul weights packed to bf16 (pack_bf16), sharing every other
+        tensor; this one is left as it is."""
+        m = copy.copy(self)
+        m.layers = [dict(l) for l in self.layers]
+        m.pack_bf16()
+        return m
 
     def weight_bytes(self) -> int:
         """Bytes of weights one forward reads (the embedding lookup reads only a few rows)."""

@@ -1,5 +1,6 @@
 """Training data: prompt sources, and the self-distilled build (responses, features, resume)."""
 import argparse
+import dataclasses
 import json
 import shutil
 import sys
@@ -9,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from angelspec.bench import load_prompts
+from angelspec.plugins import amx_available
 from angelspec.runtime import Engine, Request, SamplingParams
 from angelspec.model import Segment
 from angelspec.training import data
@@ -72,6 +74,13 @@ def built(default_target, tmp_path_factory):
     return out, build(default_target, out, **SETTINGS)
 
 
+def as_made(target, m):
+    """The target as the data step ran it: with the matmul weights an engine serves."""
+    if m["generation"]["weights"] == "bfloat16":
+        return dataclasses.replace(target, model=target.model.bf16_copy())
+    return target
+
+
 @pytest.mark.slow
 def test_build_writes_shards_features_manifest_and_heldout(built, default_target):
     out, m = built
@@ -81,6 +90,9 @@ def test_build_writes_shards_features_manifest_and_heldout(built, default_target
     assert m["layers"][-1] == default_target.config.num_layers and m["hidden_size"] == 576
     assert m["feature_ms_per_1k_tokens"] > 0 and m["generation_tokens_per_s"] > 0
     assert m["generation"]["drafter"] == "ngram"
+    # the weights an engine built here serves (auto); the caller's target is left float32
+    assert m["generation"]["weights"] == ("bfloat16" if amx_available() else "float32")
+    assert default_target.model.weights == "float32"
     held = load_prompts(out / "heldout.jsonl")
     assert sorted(r["domain"] for r in held) == list(DOMAINS)
     s = load_file(str(out / "shard-00000.safetensors"))
@@ -93,13 +105,14 @@ def test_build_writes_shards_features_manifest_and_heldout(built, default_target
 
 @pytest.mark.slow
 def test_responses_are_the_targets_plain_greedy_continuations(built, default_target):
-    out, _ = built
+    out, m = built
+    target = as_made(default_target, m)
     seqs = Sequences(out, layers=[])
     rows = [json.loads(l) for l in (out / "prompts.jsonl").read_text().splitlines()]
     assert len(seqs) == len(rows) == 6
     items = [seqs[i] for i in range(len(seqs))]
-    engine = Engine(default_target, max_batch=8, max_len=512)
-    reqs = [Request(default_target.encode_chat(r["prompt"]), SamplingParams(max_new_tokens=8))
+    engine = Engine(target, max_batch=8, max_len=512)
+    reqs = [Request(target.encode_chat(r["prompt"]), SamplingParams(max_new_tokens=8))
             for r in rows]
     for x, r, req, res in zip(items, rows, reqs, engine.generate(reqs)):
         assert x["tokens"][:x["prompt_len"]].tolist() == req.prompt_ids
@@ -135,7 +148,7 @@ def test_teacher_ids_are_the_targets_own_choices(built, default_target):
 @pytest.mark.slow
 def test_features_are_the_targets_hidden_states(built, default_target):
     out, m = built
-    seqs, model = Sequences(out), default_target.model
+    seqs, model = Sequences(out), as_made(default_target, m).model
     for i in (0, 5):
         x = seqs[i]
         n = len(x["tokens"])
@@ -178,3 +191,10 @@ def test_another_target_or_setting_is_refused(built, default_target, tmp_path):
     (out / "manifest.json").write_text(json.dumps({**m, "target_hash": "0" * 64}))
     with pytest.raises(ValueError, match="target_hash.*delete the folder"):
         build(default_target, out, **SETTINGS)
+    # a folder from before the weights key was made with float32 weights
+    m["generation"].pop("weights")
+    (out / "manifest.json").write_text(json.dumps(m))
+    if amx_available():
+        with pytest.raises(ValueError, match="generation.weights"):
+            build(default_target, out, **SETTINGS)
+    assert build(default_target, out, **SETTINGS, weights="float32")["shards"] == m["shards"]

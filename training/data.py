@@ -2,7 +2,9 @@
 
 Responses come from the runtime (ngram drafting: lossless, faster than plain decoding); the
 frozen target then runs once over every full sequence and its hidden states at the layers the
-trained drafters read are cached, so trainers never recompute them. Work is done in shards and
+trained drafters read are cached, so trainers never recompute them. The target runs with the
+matmul weights an engine will serve (`weights`, as `angelspec build --weights`: bf16 where the CPU
+has AMX-BF16 tiles), so drafts learn the hidden states and choices they will see when served. Work is done in shards and
 the manifest is rewritten after each one, so an interrupted build resumes where it stopped.
 
 out_dir/
@@ -16,6 +18,7 @@ out_dir/
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -37,6 +40,7 @@ from angelspec.training.sources import HELDOUT_EVERY, held_out, prompts as draw_
 
 FORMAT = 1
 DOMAINS = ("chat", "code", "math")
+GENERATION_BEFORE = {"weights": "float32"}  # generation settings of folders older than the key
 
 
 def target_hash(target: Target) -> str:
@@ -174,8 +178,8 @@ def _open_manifest(out: pathlib.Path, new: dict) -> dict:
         return new
     old = json.loads(f.read_text())
     diff = [k for k in ("format", "target_hash", "layers", "requested") if old.get(k) != new[k]]
-    diff += [f"generation.{k}" for k, v in new["generation"].items()
-             if k != "batch_size" and old.get("generation", {}).get(k) != v]
+    diff += [f"generation.{k}" for k, v in new["generation"].items() if k != "batch_size" and
+             old.get("generation", {}).get(k, GENERATION_BEFORE.get(k)) != v]
     if diff:
         raise ValueError(f"{out} holds data made for another target or other settings "
                          f"({', '.join(diff)} differ): pass another --out or delete the folder")
@@ -183,17 +187,27 @@ def _open_manifest(out: pathlib.Path, new: dict) -> dict:
 
 
 def build(target: Target, out_dir, counts: dict[str, int], heldout: int, max_new_tokens: int,
-          max_prompt_tokens: int, batch_size: int = 8, temperature: float = 0.0, seed: int = 0,
-          shard_size: int = 64, progress: bool = True) -> dict:
-    """Build (or resume) a data folder; returns the manifest."""
+          max_prompt_tokens: int, batch_size: int = 16, temperature: float = 0.0, seed: int = 0,
+          shard_size: int = 64, progress: bool = True, weights: str = "auto") -> dict:
+    """Build (or resume) a data folder; returns the manifest. weights: the dtype of the target's
+    matmul weights (auto: as `angelspec build` will serve them; the caller's target is left
+    as it is)."""
     from tqdm import tqdm
+
+    from angelspec.builders.build import choose_weights
 
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    dtype = choose_weights(target.model, weights)["dtype"]
+    if dtype != target.model.weights:
+        if dtype == "float32":
+            raise ValueError("this target already serves bf16 weights: pass a float32 one")
+        target = dataclasses.replace(target, model=target.model.bf16_copy())
     cfg, model = target.config, target.model
     layers = training_layers(cfg.num_layers)
     gen = dict(max_new_tokens=max_new_tokens, temperature=float(temperature), seed=seed,
-               batch_size=batch_size, drafter="ngram", max_prompt_tokens=max_prompt_tokens)
+               batch_size=batch_size, drafter="ngram", max_prompt_tokens=max_prompt_tokens,
+               weights=dtype)
     requested = dict(counts={d: counts.get(d, 0) for d in DOMAINS}, heldout=heldout,
                      shard_size=shard_size)
     m = _open_manifest(out, dict(format=FORMAT, target=str(target.path),
@@ -325,7 +339,11 @@ def add_arguments(p) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256, help="response length limit")
     p.add_argument("--max-prompt-tokens", type=int, default=512,
                    help="longer prompts (chat-encoded) are dropped")
-    p.add_argument("--batch-size", type=int, default=8, help="requests generated together")
+    p.add_argument("--batch-size", type=int, default=16, help="requests generated together")
+    p.add_argument("--weights", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="dtype of the target's matmul weights while generating and caching "
+                        "features: auto = as `angelspec build` serves them (bfloat16 where the "
+                        "CPU has AMX-BF16 tiles, else float32)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--seed", type=int, default=0, help="prompt sampling (and response sampling "
                                                         "when --temperature > 0)")
@@ -337,7 +355,7 @@ def run(args) -> int:
 
     m = build(_target(args.target), args.out, {d: getattr(args, d) for d in DOMAINS},
               args.heldout, args.max_new_tokens, args.max_prompt_tokens, args.batch_size,
-              args.temperature, args.seed, args.shard_size)
+              args.temperature, args.seed, args.shard_size, weights=args.weights)
     t = m["totals"]
     print(f"{args.out}: {t['sequences']} sequences, {t['tokens']} tokens "
           f"({t['response_tokens']} generated at {m['generation_tokens_per_s']} tok/s); "
