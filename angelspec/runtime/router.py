@@ -6,9 +6,11 @@ first drafter, then shadow drafting lets the evidence switch it.
    accuracy is stored in the engine. The domain maps to a drafter (chat -> mtp, code/math -> dfly
    by default; the build measures each domain's fastest; missing drafts fall back to ngram).
    The domain also names the request's contenders: the drafters the build measured within
-   `CONTEND` of the domain's fastest (all candidates when an engine has no measurement). Only
-   they follow the request's commits and shadow-draft for it: a drafter that measured far slower
-   costs nothing (with one contender, `auto` costs what that drafter alone costs).
+   `CONTEND` of the domain's fastest (all candidates when an engine has no measurement), and
+   always `ngram`, whose shadow draft is a lookup (~50 us) with no model to keep up: the build
+   measures a few prompts per domain, and the online rule can only correct a wrong first route
+   towards a drafter that shadow-drafts. Only contenders follow the request's commits and
+   shadow-draft for it: a trained drafter that measured far slower costs nothing.
 2. **Online rule.** Every few steps of a request, ONE other contender (round robin) also
    drafts for it: after `shadow_every` steps at first, the interval doubling (up to `max_every`)
    each time the scores confirm the current drafter, and back to `shadow_every` after a switch.
@@ -44,11 +46,14 @@ import torch
 DOMAINS = ("chat", "code", "math")
 DEFAULT_ROUTES = {"chat": "mtp", "code": "dfly", "math": "dfly"}
 CONTEND = 0.2  # a drafter within 20% of a domain's fastest (build measurement) stays a contender
+ALWAYS_CONTENDS = ("ngram",)  # costs next to nothing to shadow-draft
 
 
 def contenders(speed: dict) -> dict:
-    """domain -> the drafters whose measured tokens/s is within CONTEND of the domain's best."""
-    return {d: [c for c, v in s.items() if v >= (1 - CONTEND) * max(s.values())] for d, s in speed.items()}
+    """domain -> the drafters whose measured tokens/s is within CONTEND of the domain's best, and
+    those that always contend."""
+    return {d: [c for c, v in s.items() if v >= (1 - CONTEND) * max(s.values()) or c in ALWAYS_CONTENDS]
+            for d, s in speed.items()}
 
 
 class DomainClassifier:
