@@ -179,6 +179,25 @@ def test_router_switches_away_from_a_bad_drafter_losslessly(tiny):
     assert all(r.switches[0][1:] == ("random", "oracle") and r.drafter == "oracle" for r in long)
 
 
+def test_finished_requests_move_a_domains_route(tiny):
+    """Two requests of a domain in a row that switched to the same drafter move the domain's
+    route: the third starts on it and has nothing to switch."""
+    ps = prompts(4)
+    ref = autoregressive(tiny, ps, 60)
+    p, r = max(zip(ps, ref), key=lambda x: len(x[1]))
+    oracle = NoisyOracle({tuple(p): r}, 4, p_wrong=0.1)
+    clf = DomainClassifier.fit([[1, 2, 3], [50, 60], [80, 81]], ["chat", "code", "math"], 97)
+    router = Router(clf, routes={"chat": "random", "code": "random", "math": "random"},
+                    candidates=("random", "oracle"), shadow_every=2, min_obs=2)
+    eng = Engine(tiny, max_batch=1, max_len=256, router=router,
+                 drafters={"oracle": oracle, "random": Random()})
+    runs = [eng.generate([Request(p, SamplingParams(max_new_tokens=60), "auto")])[0] for _ in range(3)]
+    assert all(x.tokens == r for x in runs)
+    assert [x.switches[0][1:] for x in runs[:2]] == [("random", "oracle")] * 2
+    assert router.routes[clf.predict(p)] == "oracle"
+    assert runs[2].switches == [] and runs[2].drafter == "oracle"
+
+
 def test_only_contenders_follow_a_routed_request(tiny, monkeypatch):
     """A drafter the build measured far slower for a domain never drafts nor catches up there."""
     assert contenders({"chat": {"mtp": 30.0, "ngram": 37.0, "dfly": 20.0}}) == {"chat": ["mtp", "ngram"]}

@@ -18,6 +18,10 @@ first drafter, then shadow drafting lets the evidence switch it.
    whose scores confirmed its drafter doubles the interval the next one starts at (up to
    `max_every`), and a switch resets it. (Requests are short: starting every one at
    `shadow_every` cost a losing contender's shadow drafts 4-5% of chat's tokens per second.)
+   And when `MOVE_AFTER` (2) requests of a domain in a row ended on the same other drafter, the
+   domain's route moves there: its next requests start on it (the build measures routes on 3
+   prompts per domain, and a request that starts on the wrong drafter loses the steps it
+   takes to gather the evidence).
    No extra target forward is needed to score that proposal: once the
    positions it covers are committed, its accepted length is the length of its prefix that matches
    the committed tokens (exact under greedy decoding). Each drafter's value for the request is
@@ -47,6 +51,7 @@ DOMAINS = ("chat", "code", "math")
 DEFAULT_ROUTES = {"chat": "mtp", "code": "dfly", "math": "dfly"}
 CONTEND = 0.2  # a drafter within 20% of a domain's fastest (build measurement) stays a contender
 ALWAYS_CONTENDS = ("ngram",)  # costs next to nothing to shadow-draft
+MOVE_AFTER = 2  # requests of a domain in a row that ended on another drafter move its route there
 
 
 def contenders(speed: dict) -> dict:
@@ -133,6 +138,7 @@ class Router:
         self.rate = 0.0  # EMA of the engine's tokens per second (0: no step yet)
         self.rows = 1.0  # EMA of the tokens one verification forward checks
         self.settled: dict[str, int] = {}  # domain -> finished requests in a row that confirmed
+        self.moving: dict[str, tuple] = {}  # domain -> (drafter, requests in a row that ended on it)
 
     def settings(self) -> dict:
         return {"routes": self.routes, "candidates": list(self.candidates),
@@ -150,11 +156,25 @@ class Router:
 
     def finish(self, route: RouteState) -> None:
         """A request is done: if its shadow scores confirmed its drafter (no switch), the next
-        request of its domain starts shadow-drafting at twice the interval; a switch resets it."""
+        request of its domain starts shadow-drafting at twice the interval; a switch resets it.
+        When MOVE_AFTER requests of a domain in a row ended on the same other drafter than the
+        domain's route, that drafter becomes the route (the first drafter of its next requests;
+        the old one stays a contender, so the evidence can move it back)."""
+        final = route.switches[-1][2] if route.switches else None
         if route.switches:
             self.settled[route.domain] = 0
         elif any(ev.n >= self.min_obs for n, ev in route.evidence.items() if n != route.main_drafter("")):
             self.settled[route.domain] = min(self.settled.get(route.domain, 0) + 1, 16)
+        if final is None or final == self.routes.get(route.domain):
+            self.moving.pop(route.domain, None)
+            return
+        name, count = self.moving.get(route.domain, (final, 0))
+        count = count + 1 if name == final else 1
+        if count >= MOVE_AFTER:
+            self.routes[route.domain] = final
+            self.moving.pop(route.domain, None)
+        else:
+            self.moving[route.domain] = (final, count)
 
     def note_draft_time(self, name: str, seconds: float) -> None:
         old = self.draft_seconds.get(name)
