@@ -215,6 +215,7 @@ def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_n
         if "hf" in names:
             raise ValueError("hf (transformers generate) is the greedy reference: drop it from "
                              "--drafters when sampling")
+        eps = 0.0  # a sampled token follows the uniform, not the top-2 margin: no near-ties
     if engine_dir:
         from angelspec.checkpoint import load_target
         target = load_target(pathlib.Path(engine_dir) / "target")

@@ -3,9 +3,10 @@
 Responses come from the runtime (ngram drafting: lossless, faster than plain decoding); the
 frozen target then runs once over every full sequence and its hidden states at the layers the
 trained drafters read are cached, so trainers never recompute them. The target runs with the
-matmul weights an engine will serve (`weights`, as `angelspec build --weights`: bf16 where the CPU
-has AMX-BF16 tiles), so drafts learn the hidden states and choices they will see when served. Work is done in shards and
-the manifest is rewritten after each one, so an interrupted build resumes where it stopped.
+matmul weights an engine will serve (`weights`, as `angelspec build --weights`: bf16 where the
+CPU has AMX-BF16 tiles), so drafts learn the hidden states and choices they will see when
+served. Work is done in shards and the manifest is rewritten after each one, so an interrupted
+build resumes where it stopped.
 
 out_dir/
   prompts.jsonl, heldout.jsonl  {prompt, domain, source} per line (heldout: for `angelspec bench`)

@@ -21,10 +21,10 @@ from angelspec.checkpoint import Target
 from angelspec.drafters import ALIASES, Drafter, Proposal, canonical, make_drafter, parse_spec
 from angelspec.model import Segment
 from angelspec.plugins import RATIOS, SKINNY_MAX_ROWS, dcut_select
+from angelspec.plugins.verify import sample_inverse_cdf
 from angelspec.runtime.cost import CostTable, profile
 from angelspec.runtime.gate import DraftGate
 from angelspec.runtime.router import RouteState, Router, route_cost
-from angelspec.plugins.verify import sample_inverse_cdf
 from angelspec.runtime.sampling import SamplingParams, position_uniforms, probs_from_logits
 from angelspec.runtime.verify import verify_batch
 
