@@ -188,7 +188,7 @@ def _open_manifest(out: pathlib.Path, new: dict) -> dict:
 
 
 def build(target: Target, out_dir, counts: dict[str, int], heldout: int, max_new_tokens: int,
-          max_prompt_tokens: int, batch_size: int = 16, temperature: float = 0.0, seed: int = 0,
+          max_prompt_tokens: int, batch_size: int = 64, temperature: float = 0.0, seed: int = 0,
           shard_size: int = 64, progress: bool = True, weights: str = "auto") -> dict:
     """Build (or resume) a data folder; returns the manifest. weights: the dtype of the target's
     matmul weights (auto: as `angelspec build` will serve them; the caller's target is left
@@ -340,7 +340,7 @@ def add_arguments(p) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256, help="response length limit")
     p.add_argument("--max-prompt-tokens", type=int, default=512,
                    help="longer prompts (chat-encoded) are dropped")
-    p.add_argument("--batch-size", type=int, default=16, help="requests generated together")
+    p.add_argument("--batch-size", type=int, default=64, help="requests generated together")
     p.add_argument("--weights", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="dtype of the target's matmul weights while generating and caching "
                         "features: auto = as `angelspec build` serves them (bfloat16 where the "
