@@ -14,7 +14,8 @@ from angelspec.drafters.target_layers import dfly_layers
 from angelspec.model import Segment
 from angelspec.runtime import Engine, Request, SamplingParams
 from angelspec.runtime.engine import RequestState
-from angelspec.training.objectives import block_hidden, greedy_chain, rollout, ttt_rollout
+from angelspec.training.objectives import (accepted_at, block_hidden, greedy_chain, rollout,
+                                          ttt_rollout, walk)
 from conftest import make_checkpoint
 
 
@@ -222,6 +223,34 @@ def test_greedy_lossless_with_trained_drafters(target8, tmp_path, kind):
         out = eng.generate([Request(p, params, kind) for p in prompts])
         assert [r.tokens for r in out] == [r.tokens for r in ref]
         assert sum(r.stats.drafted for r in out) > 0
+
+
+@pytest.mark.parametrize("vocab", [[78], [17, 78]])
+@pytest.mark.parametrize("kind", ["mtp", "dfly", "dflash"])
+def test_validation_walk_counts_what_serving_counts(target8, tmp_path, kind, vocab):
+    """Training's held-out accept length (accepted_at + walk over the target's own response) is
+    the engine's: the same verification steps and committed tokens. A draft vocabulary of the
+    tokens the target's response repeats most (78, then 17) gets drafts accepted in runs; with
+    two, what the draft proposes depends on its inputs."""
+    cfg, model = draft(target8, kind, vocab=len(vocab))
+    model.vocab_ids.copy_(torch.tensor(vocab))
+    save_draft(tmp_path / kind, cfg, model.state_dict())
+    prompt = torch.randint(1, 96, (3,), generator=torch.Generator().manual_seed(7)).tolist()
+    params = SamplingParams(max_new_tokens=60, ignore_eos=True)
+    out = Engine(target8, max_batch=1, max_len=200, drafts=str(tmp_path)).generate(
+        [Request(prompt, params, kind)])[0]
+    tokens = prompt + out.tokens
+    feats = features(target8, tokens, sorted(set(cfg.target_layers) | {8}))
+    acc = accepted_at(model, Frozen(target8.model, model.vocab_ids), torch.tensor(tokens), feats,
+                      len(prompt), cfg.draft_len)
+    assert walk(acc, len(prompt)) == (out.stats.committed, out.stats.steps)
+    assert out.stats.accepted >= 5
+
+
+def test_walk_jumps_over_what_each_step_accepted():
+    """A step at p commits accepted[p] + 1 tokens, never past the last, and the next starts there:
+    steps at 1, 4, 5 and 7 (the last commits 1 of its 5); 0, 2, 3, 6 and 8 are jumped over."""
+    assert walk(torch.tensor([9, 2, 9, 9, 0, 1, 9, 4, 9]), 1) == (7, 4)
 
 
 def test_sampling_with_trained_drafter_is_seeded(target8, tmp_path):

@@ -98,6 +98,11 @@ def test_training_resumes(tiny_data):
     assert train({**r, "steps": 9}, target, progress=False)["step"] == 9  # done: no new work
     assert len(log_rows(r["out"])) == 9
     assert load_draft(r["out"])[0].trained_steps == 9
+    # --eval: the saved draft's held-out metrics, the same as the last step logged
+    ev = train(r, target, progress=False, only_eval=True)
+    assert ev["step"] == 9 and ev["val_tau"] == log_rows(r["out"])[-1]["val_tau"] >= 1
+    with pytest.raises(ValueError, match="holds a dfly draft, not mtp"):
+        train({**recipe("mtp", root), "out": r["out"]}, target, progress=False, only_eval=True)
 
 
 def test_torchrun_two_processes_keep_identical_weights(tiny_data):

@@ -4,7 +4,10 @@ A batch is S sequences padded to T: tokens [S, T], `label_ok` [S, T] (True where
 response token the target generated, i.e. a fair label), features {layer: [S, T, h]} (the frozen
 target's hidden states, cached by the data step). Labels map to the draft vocabulary; tokens
 outside it are not trained on. Each objective returns (loss, metrics), where metrics["tau"] is the
-mean accept length greedy drafting would reach on these positions (accepted + 1 bonus).
+mean accept length greedy drafting would reach from these positions (accepted + 1 bonus), each
+position counted once. Serving does not start a step at every position: it jumps over what a
+step accepted, so easy stretches take few steps and hard ones many. `serving_tau` walks a
+sequence the way serving does: that is the figure `angelspec bench` measures.
 """
 from __future__ import annotations
 
@@ -149,14 +152,13 @@ def greedy_chain(model, fz: Frozen, hidden, anchor_tok) -> torch.Tensor:
 
 
 def block_objective(model, fz: Frozen, tokens, label_ok, feats, anchors, valid, loss: str = "ce",
-                    gamma: float = 4.0, greedy_eval: bool = False, labels=None):
+                    gamma: float = 4.0, labels=None):
     """DFly/DFlash with the multi-anchor block mask: every anchor a makes one block
     [t[a], MASK...] at positions a..a+B-1 that sees the context strictly before a and itself.
 
     loss "ce": cross-entropy to the target's tokens, position k weighted exp(-(k-1)/gamma);
     loss "tv": end-to-end TV, 1 - mean_j prod_{i<=j} alpha_i with alpha = sum_x min(p, q), p the
     target's distribution (over the draft vocabulary) and q the draft's.
-    greedy_eval: chain the AR head on the draft's own argmax (serving) instead of teacher forcing.
     labels [S, T]: the target's token at each position (default: `tokens`); the AR head is
     teacher-forced on them after the anchor.
     """
@@ -171,18 +173,13 @@ def block_objective(model, fz: Frozen, tokens, label_ok, feats, anchors, valid, 
     # teacher forcing: the anchor token, then the labels before each link
     prev_tok = labels.gather(1, safe[..., :-1].flatten(1)).view(S, -1, B - 1)
     prev_tok[..., 0] = tokens.gather(1, anchors)
-    if greedy_eval and cfg.ar_head:
-        pred, logits = greedy_chain(model, fz, hidden, tokens.gather(1, anchors)), None
-    else:
-        logits = fz.logits(model.head(hidden, fz.embed[prev_tok]))  # [S, A, B-1, Vd]
-        pred = logits.argmax(-1)
+    logits = fz.logits(model.head(hidden, fz.embed[prev_tok]))  # [S, A, B-1, Vd]
+    pred = logits.argmax(-1)
     hits = (pred == lab) & ok
     metrics = {"acc": float(hits.sum()) / max(1, int(ok.sum()))}
     full = valid & ok.all(-1)
     if full.any():
         metrics["tau"] = 1 + float(leading(hits[full]).float().mean())
-    if logits is None:
-        return None, metrics
     w = torch.exp(-torch.arange(B - 1, dtype=torch.float32) / gamma)
     if loss == "ce":
         ce = F.cross_entropy(logits.flatten(0, -2), lab.clamp(min=0).flatten(), reduction="none")
@@ -202,6 +199,41 @@ def block_objective(model, fz: Frozen, tokens, label_ok, feats, anchors, valid, 
         raise ValueError(f"unknown loss {loss!r} (ce or tv)")
     metrics["loss"] = float(value.detach())
     return value, metrics
+
+
+def accepted_at(model, fz: Frozen, tokens: torch.Tensor, feats: dict, start: int,
+                draft_len: int) -> torch.Tensor:
+    """One sequence tokens [T], features {layer: [T, h]}: accepted[p] for p >= start = the draft
+    tokens greedy serving accepts when the newest committed token is t[p] (the target's features
+    known up to p-1): the leading drafts that equal t[p+1], t[p+2], ... (0 before `start`)."""
+    T = len(tokens)
+    accepted = torch.zeros(T, dtype=torch.long)
+    if start >= T - 1:
+        return accepted
+    anchors = torch.arange(start, T - 1)
+    batch, fb = tokens[None], {l: f[None] for l, f in feats.items()}
+    if hasattr(model, "layer"):  # MTP: the draft at p rolls out from base p-1 (h[p-1], t[p])
+        steps = rollout(model, fz, batch, fb[model.cfg.target_num_layers], draft_len, anchors[None] - 1)
+        pred = torch.stack([fz.vocab_ids[l[0].argmax(-1)] for l in steps], -1)
+    else:
+        hidden = block_hidden(model, fz, batch, fb, anchors[None])[0, :, :draft_len]
+        pred = fz.vocab_ids[greedy_chain(model, fz, hidden, tokens[anchors]) if model.cfg.ar_head
+                            else fz.logits(hidden).argmax(-1)]
+    at = anchors[:, None] + torch.arange(1, draft_len + 1)
+    hits = (pred == tokens[at.clamp(max=T - 1)]) & (at < T)
+    accepted[start: T - 1] = leading(hits)
+    return accepted
+
+
+def walk(accepted: torch.Tensor, start: int) -> tuple[int, int]:
+    """Greedy serving over a sequence of len(accepted) tokens from its newest committed token at
+    `start`: each step commits the accepted drafts + 1 (up to the end) and moves past them.
+    -> (tokens committed, verification steps)."""
+    end, p, committed, steps = len(accepted) - 1, start, 0, 0
+    while p < end:
+        c = min(int(accepted[p]) + 1, end - p)
+        committed, steps, p = committed + c, steps + 1, p + c
+    return committed, steps
 
 
 def cosine_lr(step: int, total: int, warmup: int, floor: float = 0.1) -> float:

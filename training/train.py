@@ -24,7 +24,8 @@ from angelspec.drafters.draft_checkpoint import DraftConfig, load_draft, save_dr
 from angelspec.drafters.modules import Frozen
 from angelspec.drafters.mtp import MTP
 from angelspec.drafters.target_layers import dfly_layers, mtp_layers
-from angelspec.training.objectives import block_objective, cosine_lr, sample_anchors, ttt_rollout
+from angelspec.training.objectives import (accepted_at, block_objective, cosine_lr, sample_anchors,
+                                          ttt_rollout, walk)
 
 RECIPES = pathlib.Path(__file__).with_name("recipes")
 MODELS = {"mtp": MTP, "dfly": DFly, "dflash": DFly}
@@ -179,25 +180,36 @@ class Objective(torch.nn.Module):
 
 
 def evaluate(model, fz, recipe, seqs, indices, layers) -> dict:
-    """Held-out metrics; `tau` is the greedy accept length these drafts would reach."""
+    """Held-out metrics: the training objective's loss and accuracies, and `tau`, the accept
+    length greedy serving would measure on these responses (each walked as serving walks it,
+    from the first response token)."""
     model.eval()
-    totals, weight = {}, 0
+    totals, weight, committed, steps = {}, 0, 0, 0
     with torch.no_grad():
         for i in range(0, len(indices), recipe["batch_size"]):
-            # held-out metrics on generated tokens only: what serving drafts
-            batch = collate([seqs[j] for j in indices[i: i + recipe["batch_size"]]],
-                            recipe["max_seq_len"], layers)[:3]
+            items = [seqs[j] for j in indices[i: i + recipe["batch_size"]]]
+            batch = collate(items, recipe["max_seq_len"], layers)[:3]
             if recipe["kind"] == "mtp":
                 _, m = ttt_rollout(model, fz, *batch, recipe["ttt_steps"], recipe["draft_len"])
             else:
                 g = torch.Generator().manual_seed(1234 + i)
                 anchors, valid = sample_anchors(batch[1], model.cfg.block_size, 64, g)
-                _, m = block_objective(model, fz, *batch, anchors, valid, greedy_eval=True)
+                _, m = block_objective(model, fz, *batch, anchors, valid)
+            m.pop("tau", None)
             for k, v in m.items():
                 totals[k] = totals.get(k, 0.0) + v
             weight += 1
+            for it in items:
+                n = min(len(it["tokens"]), recipe["max_seq_len"])
+                acc = accepted_at(model, fz, it["tokens"][:n], {l: f[:n] for l, f in it["features"].items()},
+                                  it["prompt_len"], model.cfg.draft_len)
+                c, s = walk(acc, it["prompt_len"])
+                committed, steps = committed + c, steps + s
     model.train()
-    return {f"val_{k}": v / max(1, weight) for k, v in totals.items()}
+    out = {f"val_{k}": v / max(1, weight) for k, v in totals.items()}
+    if steps:
+        out["val_tau"] = committed / steps
+    return out
 
 
 # -- the loop --------------------------------------------------------------------------------
@@ -229,7 +241,10 @@ def build_datastore(recipe: dict, target, progress: bool = True) -> dict:
     return {"out": str(out), "responses": len(responses), "tokens": total, "entries": len(store.table)}
 
 
-def train(recipe: dict, target, progress: bool = True, restart: bool = False) -> dict:
+def train(recipe: dict, target, progress: bool = True, restart: bool = False,
+          only_eval: bool = False) -> dict:
+    """Train (or resume) the recipe's draft; only_eval: the held-out metrics of the draft saved
+    in the recipe's `out`, nothing trained."""
     from tqdm import tqdm
 
     if recipe["kind"] == "ngram":
@@ -262,6 +277,15 @@ def train(recipe: dict, target, progress: bool = True, restart: bool = False) ->
                          ": run `angelspec data` with those domains")
 
     state_file = out / "train_state.pt"
+    if only_eval:
+        saved_cfg, weights = load_draft(out, target)
+        if saved_cfg.kind != cfg.kind:
+            raise ValueError(f"{out} holds a {saved_cfg.kind} draft, not {cfg.kind}")
+        model = MODELS[saved_cfg.kind](saved_cfg)
+        model.load_state_dict(weights)
+        metrics = evaluate(model, Frozen(target.model, model.vocab_ids), recipe, seqs, val, layers)
+        return {"out": str(out), "step": saved_cfg.trained_steps, "val_sequences": len(val),
+                **{k: round(v, 4) for k, v in metrics.items()}}
     resume = state_file.exists() and not restart
     if resume:
         saved_cfg, weights = load_draft(out, target)
@@ -373,6 +397,9 @@ def add_arguments(p) -> None:
     p.add_argument("--target", help="target checkpoint folder (default: the converted SmolLM2)")
     p.add_argument("--restart", action="store_true", help="ignore a saved state and start over")
     p.add_argument("--show", action="store_true", help="print the resolved recipe and exit")
+    p.add_argument("--eval", action="store_true",
+                   help="print the held-out metrics of the draft already in out= (val_tau: the "
+                        "accept length greedy serving would measure) and exit")
 
 
 def run(args) -> int:
@@ -382,7 +409,7 @@ def run(args) -> int:
     if args.show:
         print(yaml.safe_dump(recipe, sort_keys=False))
         return 0
-    result = train(recipe, _target(args.target), restart=args.restart)
+    result = train(recipe, _target(args.target), restart=args.restart, only_eval=args.eval)
     if int(os.environ.get("RANK", 0)) == 0:
         print(json.dumps(result))
     return 0
