@@ -6,8 +6,8 @@ target's hidden states, cached by the data step). Labels map to the draft vocabu
 outside it are not trained on. Each objective returns (loss, metrics), where metrics["tau"] is the
 mean accept length greedy drafting would reach from these positions (accepted + 1 bonus), each
 position counted once. Serving does not start a step at every position: it jumps over what a
-step accepted, so easy stretches take few steps and hard ones many. `serving_tau` walks a
-sequence the way serving does: that is the figure `angelspec bench` measures.
+step accepted, so easy stretches take few steps and hard ones many. `accepted_at` + `walk` go
+over a sequence the way serving does: that is the figure `angelspec bench` measures.
 """
 from __future__ import annotations
 
@@ -213,7 +213,8 @@ def accepted_at(model, fz: Frozen, tokens: torch.Tensor, feats: dict, start: int
     anchors = torch.arange(start, T - 1)
     batch, fb = tokens[None], {l: f[None] for l, f in feats.items()}
     if hasattr(model, "layer"):  # MTP: the draft at p rolls out from base p-1 (h[p-1], t[p])
-        steps = rollout(model, fz, batch, fb[model.cfg.target_num_layers], draft_len, anchors[None] - 1)
+        h_last = fb[model.cfg.target_num_layers]
+        steps = rollout(model, fz, batch, h_last, draft_len, anchors[None] - 1)
         pred = torch.stack([fz.vocab_ids[l[0].argmax(-1)] for l in steps], -1)
     else:
         hidden = block_hidden(model, fz, batch, fb, anchors[None])[0, :, :draft_len]

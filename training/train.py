@@ -201,8 +201,9 @@ def evaluate(model, fz, recipe, seqs, indices, layers) -> dict:
             weight += 1
             for it in items:
                 n = min(len(it["tokens"]), recipe["max_seq_len"])
-                acc = accepted_at(model, fz, it["tokens"][:n], {l: f[:n] for l, f in it["features"].items()},
-                                  it["prompt_len"], model.cfg.draft_len)
+                feats = {l: f[:n] for l, f in it["features"].items()}
+                acc = accepted_at(model, fz, it["tokens"][:n], feats, it["prompt_len"],
+                                  model.cfg.draft_len)
                 c, s = walk(acc, it["prompt_len"])
                 committed, steps = committed + c, steps + s
     model.train()
