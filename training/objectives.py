@@ -212,7 +212,7 @@ def accepted_at(model, fz: Frozen, tokens: torch.Tensor, feats: dict, start: int
         return accepted
     anchors = torch.arange(start, T - 1)
     batch, fb = tokens[None], {l: f[None] for l, f in feats.items()}
-    if hasattr(model, "layer"):  # MTP: the draft at p rolls out from base p-1 (h[p-1], t[p])
+    if model.cfg.kind == "mtp":  # the draft at p rolls out from base p-1 (h[p-1], t[p])
         h_last = fb[model.cfg.target_num_layers]
         steps = rollout(model, fz, batch, h_last, draft_len, anchors[None] - 1)
         pred = torch.stack([fz.vocab_ids[l[0].argmax(-1)] for l in steps], -1)

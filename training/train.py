@@ -278,24 +278,20 @@ def train(recipe: dict, target, progress: bool = True, restart: bool = False,
                          ": run `angelspec data` with those domains")
 
     state_file = out / "train_state.pt"
-    if only_eval:
-        saved_cfg, weights = load_draft(out, target)
-        if saved_cfg.kind != cfg.kind:
-            raise ValueError(f"{out} holds a {saved_cfg.kind} draft, not {cfg.kind}")
-        model = MODELS[saved_cfg.kind](saved_cfg)
-        model.load_state_dict(weights)
-        metrics = evaluate(model, Frozen(target.model, model.vocab_ids), recipe, seqs, val, layers)
-        return {"out": str(out), "step": saved_cfg.trained_steps, "val_sequences": len(val),
-                **{k: round(v, 4) for k, v in metrics.items()}}
-    resume = state_file.exists() and not restart
+    resume = only_eval or (state_file.exists() and not restart)
     if resume:
         saved_cfg, weights = load_draft(out, target)
         if saved_cfg.kind != cfg.kind:
-            raise ValueError(f"{out} holds a {saved_cfg.kind} draft; pass another out= or --restart")
+            raise ValueError(f"{out} holds a {saved_cfg.kind} draft, not {cfg.kind}: pass another "
+                             "out=" + ("" if only_eval else " or --restart"))
         cfg = dataclasses.replace(saved_cfg)
         model = MODELS[cfg.kind](cfg)
         model.load_state_dict(weights)
         fz = Frozen(target.model, model.vocab_ids)
+        if only_eval:
+            metrics = evaluate(model, fz, recipe, seqs, val, layers)
+            return {"out": str(out), "step": cfg.trained_steps, "val_sequences": len(val),
+                    **{k: round(v, 4) for k, v in metrics.items()}}
     else:
         torch.manual_seed(recipe["seed"])
         model = MODELS[cfg.kind](cfg)
