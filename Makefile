@@ -13,7 +13,7 @@ DATA   ?= build/data$(SUFFIX)
 DRAFTS ?= build/drafts$(SUFFIX)
 ENGINE ?= engines/default$(SUFFIX)
 
-.PHONY: setup target demo generate bench data drafts bench-drafts engines bench-engine serve stop perf soak test test-fast clean help
+.PHONY: setup target demo generate bench data drafts bench-drafts engines bench-engine serve stop perf soak probe test test-fast clean help
 
 help:
 	@echo "make demo    set up, fetch the default target, generate with speculative decoding, compare speed"
@@ -30,6 +30,7 @@ help:
 	@echo "make stop    stop it"
 	@echo "make perf    perf_analyzer sweep of the served ensemble (auto vs none, D-cut on/off) -> build/perf"
 	@echo "make soak    32 streaming gRPC clients for 30 s against a fresh server: errors, leaks, memory"
+	@echo "make probe   the hardening probe (docs/probe.md) against a fresh server with $(ENGINE)"
 
 setup: $(VENV)/.installed
 
@@ -93,6 +94,9 @@ perf: setup
 
 soak: setup
 	$(VENV)/bin/angelspec soak --engine $(ENGINE) --prompts $(DATA)/heldout.jsonl
+
+probe: setup
+	ANGELSPEC_PROBE_ENGINE=$(ENGINE) $(PY) -m pytest -q tests/test_probe.py
 
 test: target
 	$(PY) -m pytest -q

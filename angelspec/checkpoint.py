@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from angelspec.model import Llama, ModelConfig
+from angelspec.text import encode_chat
 
 
 class CheckpointError(ValueError):
@@ -28,14 +29,9 @@ class Target:
         return self.config.eos_token_ids
 
     def encode_chat(self, prompt: str, chat: bool = True) -> list[int]:
-        """Token ids of a user prompt, wrapped in the chat template when there is one."""
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise ValueError("prompt is empty: give some text to respond to")
-        tok = self.tokenizer
-        if chat and tok.chat_template:
-            return list(tok.apply_chat_template([{"role": "user", "content": prompt}],
-                                                tokenize=True, add_generation_prompt=True))
-        return tok.encode(prompt, add_special_tokens=False)
+        """Token ids of a user prompt, wrapped in the chat template when there is one; special
+        tokens written in the prompt stay text (angelspec.text)."""
+        return encode_chat(self.tokenizer, prompt, chat)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

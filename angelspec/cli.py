@@ -83,6 +83,8 @@ def cmd_bench(args) -> int:
         torch.set_num_threads(args.threads)
     prompts = load_prompts(args.prompts, args.limit)
     target = None if args.engine else _target(args.target)
+    if args.contend:
+        return _contend(args, target, prompts)
     result = bench(target, prompts, args.drafters.split(","), max_new=args.max_new_tokens,
                    batch_size=args.concurrency, draft_len=args.draft_len, eps=args.eps,
                    with_verify_cost=args.verify_cost, drafts=args.drafts, engine_dir=args.engine,
@@ -95,12 +97,34 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def _contend(args, target, prompts) -> int:
+    from angelspec import contend
+    from angelspec.runtime import Engine
+    from angelspec.runtime.cost import profile
+
+    max_len = 4096
+    if args.engine:
+        from angelspec.runtime.engine_dir import load_engine
+        engine = load_engine(args.engine, max_batch=1, max_len=max_len)
+        target = engine.target
+    else:
+        engine = Engine(target, max_batch=1, max_len=max_len, drafts=args.drafts,
+                        cost=profile(target.model))
+    result = contend.contend(engine, [target.encode_chat(p["prompt"]) for p in prompts],
+                             args.drafters.split(","), args.contend, args.max_new_tokens)
+    print(contend.format_table(result))
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
 def cmd_serve(args) -> int:
     from angelspec.builders import triton
 
     dcut = {"on": True, "off": False, "engine": None}[args.dcut]
     repo = triton.write_repo(args.engine, args.repo, args.max_batch, args.max_queue, args.timeout,
-                             dcut=dcut)
+                             dcut=dcut, max_len=args.max_len)  # verifies the engine first
     proc = triton.start(repo, args.server, args.http_port, args.grpc_port, args.metrics_port)
     print(f"tritonserver {proc.pid} ready: HTTP 127.0.0.1:{args.http_port}, gRPC "
           f"127.0.0.1:{args.grpc_port}, metrics http://127.0.0.1:{args.metrics_port}/metrics "
@@ -193,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--verify-cost", action="store_true",
                    help="also measure one forward's cost for 1, 2, 4, 8, 16 tokens")
     b.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    b.add_argument("--contend", type=int, default=0, metavar="N",
+                   help="run beside N busy processes: each drafter at batch 1, idle and busy, "
+                        "with fixed threads, the thread governor, and one thread, taking turns")
     b.add_argument("--out", default=None, help="write the results as JSON here")
     b.set_defaults(fn=cmd_bench)
 
@@ -241,6 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--grpc-port", type=int, default=8001)
     sv.add_argument("--metrics-port", type=int, default=8002)
     sv.add_argument("--max-batch", type=int, default=8, help="requests decoded together")
+    sv.add_argument("--max-len", type=int, default=2048,
+                    help="context of each request slot: prompt + generated tokens")
     sv.add_argument("--max-queue", type=int, default=32,
                     help="requests waiting beyond max-batch before new ones get 'busy, retry'")
     sv.add_argument("--timeout", type=float, default=300.0,

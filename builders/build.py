@@ -125,9 +125,39 @@ def build(target_dir: str, drafts_dir: str, out: str, data_dir: str | None = Non
           drafters: list[str] | None = None, backends: tuple = ("eager", "inductor"),
           min_gain: float = 1.2, dcut: bool = True, max_tokens: int = SKINNY_MAX_ROWS,
           export: str | None = None, weights: str = "auto") -> dict:
+    """Build the engine folder `out`. It is written as a hidden `.<name>.partial` beside it and
+    renamed to `out` only when complete: a failed or stopped build leaves any earlier engine of
+    that name as it was."""
+    final = pathlib.Path(out)
+    partial = final.parent / f".{final.name}.partial"
+    try:
+        manifest = _build(pathlib.Path(target_dir), pathlib.Path(drafts_dir), partial, final, data_dir,
+                          drafters, backends, min_gain, dcut, max_tokens, export, weights)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    old = final.parent / f".{final.name}.old"
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(old)
+    partial.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+    return manifest
+
+
+def _build(target_dir: pathlib.Path, drafts_dir: pathlib.Path, out: pathlib.Path,
+           final: pathlib.Path, data_dir, drafters, backends, min_gain, dcut, max_tokens, export,
+           weights) -> dict:
     from angelspec.builders.backend import choose, use_backend
 
-    target_dir, drafts_dir, out = pathlib.Path(target_dir), pathlib.Path(drafts_dir), pathlib.Path(out)
+    data = pathlib.Path(data_dir) if data_dir else None
+    # every input is checked before the first expensive step
+    if data is not None and not (data / "prompts.jsonl").exists():
+        raise FileNotFoundError(f"{data}/prompts.jsonl not found: the router's classifier trains on "
+                                "the data step's prompts (run `make data`, or pass --data '' to "
+                                "build without a router)")
+    if drafters and not drafts_dir.is_dir():
+        raise FileNotFoundError(f"{drafts_dir}: no such drafts folder (run `make drafts`)")
     target = load_target(target_dir)
     weights = choose_weights(target.model, weights)
     if weights["dtype"] == "bfloat16":
@@ -165,9 +195,8 @@ def build(target_dir: str, drafts_dir: str, out: str, data_dir: str | None = Non
     bar.update()
 
     bar.set_postfix_str("copying parts")
-    if (out / MANIFEST).exists():
-        (out / MANIFEST).unlink()  # from here until the end, the folder is a partial build
-    shutil.rmtree(out / "drafts", ignore_errors=True)  # no stale parts of an earlier build
+    out.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out, ignore_errors=True)
     for f in sorted(target_dir.iterdir()):
         if f.is_file():
             _place(f, out / "target" / f.name)
@@ -181,11 +210,7 @@ def build(target_dir: str, drafts_dir: str, out: str, data_dir: str | None = Non
 
     bar.set_postfix_str("router")
     router = None
-    if data_dir:
-        data = pathlib.Path(data_dir)
-        if not (data / "prompts.jsonl").exists():
-            raise FileNotFoundError(f"{data}/prompts.jsonl not found: the router's classifier "
-                                    "trains on the data step's prompts (run `make data`)")
+    if data is not None:
         clf, accuracy = train_router(target, data)
         save_file(clf.state_dict(), str(out / "router.safetensors"))
         candidates = [c for c in ("mtp", "dfly", "ngram") if c in set(kinds) | {"ngram"}]
@@ -203,7 +228,7 @@ def build(target_dir: str, drafts_dir: str, out: str, data_dir: str | None = Non
     bar.set_postfix_str("manifest")
     manifest = {
         "format": FORMAT,
-        "name": out.name,
+        "name": final.name,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "target": {"path": "target", "source": str(target_dir),
                    "architecture": target.config.architecture,
@@ -217,15 +242,13 @@ def build(target_dir: str, drafts_dir: str, out: str, data_dir: str | None = Non
         "dcut": {"ratios": list(RATIOS), "profile": cost.to_json()},
         "fingerprint": fingerprint(backend["chosen"], target.model.weights),
     }
-    shutil.rmtree(out / "trtllm", ignore_errors=True)
     if export == "trtllm":
         from angelspec.builders.trtllm import export as export_trtllm
-        manifest["exported"] = {"trtllm": export_trtllm(out, out / "trtllm", manifest)}
+        manifest["exported"] = {"trtllm": export_trtllm(out, out / "trtllm", manifest,
+                                                                final=final / "trtllm")}
     manifest["files"] = {str(f.relative_to(out)): sha256(f) for f in sorted(out.rglob("*"))
                          if f.is_file() and f.name != MANIFEST}
-    tmp = out / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=1) + "\n")
-    tmp.replace(out / MANIFEST)
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     bar.update()
     bar.close()
     return manifest

@@ -19,7 +19,7 @@ import time
 import urllib.request
 
 TEMPLATES = pathlib.Path(__file__).resolve().parents[1] / "model_repo"
-MODELS = ("preprocessing", "angelspec", "postprocessing", "ensemble")
+MODELS = ("ensemble",)
 
 
 def _pytriton() -> pathlib.Path:
@@ -48,18 +48,21 @@ def install(dest: str | pathlib.Path = "build/triton") -> pathlib.Path:
 
 def write_repo(engine: str | pathlib.Path, out: str | pathlib.Path = "build/model_repo",
                max_batch: int = 8, max_queue: int = 32, request_timeout_s: float = 300.0,
-               decoupled: bool = True, dcut: bool | None = None) -> pathlib.Path:
-    """Fill the templates in model_repo/ (never modified) into `out` for `engine`; `dcut`
-    None keeps the engine's own setting, False serves fixed draft lengths."""
+               decoupled: bool = True, dcut: bool | None = None, max_len: int = 2048) -> pathlib.Path:
+    """Fill the templates in model_repo/ (never modified) into `out` for `engine`, verified
+    first (every file's checksum: a broken engine is refused here, not after the server
+    started); `dcut` None keeps the engine's own setting, False serves fixed draft lengths.
+    `max_len`: the context (prompt + output tokens) of each request slot."""
     from angelspec.runtime.engine_dir import read_manifest
 
     engine = pathlib.Path(engine).resolve()
-    read_manifest(engine, verify=False)  # a clear error now rather than at model load
+    read_manifest(engine, verify=True)
     out = pathlib.Path(out)
-    values = {"engine_dir": str(engine), "max_batch_size": str(max_batch),
+    values = {"max_batch_size": str(max_batch), "max_len": str(max_len),
               "max_queue": str(max_queue), "request_timeout_s": str(request_timeout_s),
               "decoupled_mode": "true" if decoupled else "false",
               "dcut": {None: "engine", True: "on", False: "off"}[dcut]}
+    private = json.dumps({"engine_dir": str(engine)})  # beside the model, not in its config
     shutil.rmtree(out, ignore_errors=True)
     for model in MODELS:
         for f in (TEMPLATES / model).rglob("*"):
@@ -69,6 +72,7 @@ def write_repo(engine: str | pathlib.Path, out: str | pathlib.Path = "build/mode
                 text = f.read_text()
                 dst.write_text(string.Template(text).substitute(values) if f.suffix == ".pbtxt" else text)
         (out / model / "1").mkdir(parents=True, exist_ok=True)
+        (out / model / "1" / "private.json").write_text(private)
     return out
 
 

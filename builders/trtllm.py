@@ -111,10 +111,12 @@ def export_mtp(engine: pathlib.Path, out: pathlib.Path) -> None:
 
 
 def export(engine: str | pathlib.Path, out: str | pathlib.Path, manifest: dict | None = None,
-           acceptance: float = 0.7) -> list[str]:
+           acceptance: float = 0.7, final: str | pathlib.Path | None = None) -> list[str]:
     """Write <out>/dflash/, <out>/mtp-deepseek-layout/ and <out>/speculative.yaml; return paths.
-    `manifest`: the engine's (read from the folder when not given)."""
+    `manifest`: the engine's (read from the folder when not given); `final`: where `out` will
+    live once the build renames it (the YAML names the draft there)."""
     engine, out = pathlib.Path(engine), pathlib.Path(out)
+    final = pathlib.Path(final or out)
     manifest = manifest or read_manifest(engine, verify=False)
     written = []
     if "dflash" in manifest["drafters"]:
@@ -124,13 +126,13 @@ def export(engine: str | pathlib.Path, out: str | pathlib.Path, manifest: dict |
         lines = ["# TensorRT-LLM LLM-API options (trtllm-serve <target> --config speculative.yaml)",
                  "# written by angelspec build --export trtllm; draft_len_schedule from the D-cut "
                  "profile of the build machine", "speculative_config:", "  decoding_type: DFlash",
-                 f"  max_draft_len: {schedule[1]}", f"  speculative_model: {(out / 'dflash').resolve()}",
+                 f"  max_draft_len: {schedule[1]}", f"  speculative_model: {(final / 'dflash').resolve()}",
                  f"  mask_token_id: {config['dflash_config']['mask_token_id']}",
                  f"  target_layer_ids: {json.dumps(config['dflash_config']['target_layer_ids'])}",
                  "  draft_len_schedule: {" + ", ".join(f"{b}: {d}" for b, d in schedule.items()) + "}"]
         (out / "speculative.yaml").write_text("\n".join(lines) + "\n")
-        written += [str(out / "dflash"), str(out / "speculative.yaml")]
+        written += [str(final / "dflash"), str(final / "speculative.yaml")]
     if "mtp" in manifest["drafters"]:
         export_mtp(engine, out / "mtp-deepseek-layout")
-        written.append(str(out / "mtp-deepseek-layout"))
+        written.append(str(final / "mtp-deepseek-layout"))
     return written

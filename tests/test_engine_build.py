@@ -12,7 +12,7 @@ from angelspec.drafters import Datastore
 from angelspec.drafters.draft_checkpoint import save_draft
 from angelspec.plugins import amx_available
 from angelspec.runtime import Engine, Request, SamplingParams
-from angelspec.runtime.engine_dir import EngineError, load_engine, read_manifest
+from angelspec.runtime.engine_dir import EngineError, load_engine, read_manifest, sha256
 from conftest import make_checkpoint
 from test_drafters import draft
 
@@ -111,6 +111,63 @@ def test_corrupt_partial_and_foreign_engines_are_refused(parts, tmp_path):
         read_manifest(eng)
     with pytest.raises(EngineError, match="no such engine"):
         read_manifest(tmp_path / "nowhere")
+
+
+def _rewrite(eng, edit):
+    m = json.loads((eng / "engine.json").read_text())
+    edit(m)
+    (eng / "engine.json").write_text(json.dumps(m))
+
+
+def test_an_engine_folder_stays_inside_itself(parts, tmp_path):
+    """Manifest entries that lead out of the folder (.., absolute, a link out) are refused
+    before any file is read, naming no outside path; every file in the folder must be listed."""
+    root, _, _ = parts
+    eng = tmp_path / "engine"
+    shutil.copytree(root / "engine", eng)
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not yours")
+    digest = sha256(secret)
+    for entry in ("../secret.txt", str(secret), "target/../../secret.txt"):
+        e2 = tmp_path / "e2"
+        shutil.rmtree(e2, ignore_errors=True)
+        shutil.copytree(eng, e2)
+        _rewrite(e2, lambda m: m["files"].__setitem__(entry, digest))
+        with pytest.raises(EngineError, match="not paths inside the engine folder") as err:
+            read_manifest(e2)
+        assert "secret" not in str(err.value)
+    (eng / "target" / "leak.txt").symlink_to(secret)
+    _rewrite(eng, lambda m: m["files"].__setitem__("target/leak.txt", digest))
+    with pytest.raises(EngineError, match="not paths inside"):
+        read_manifest(eng)
+    (eng / "target" / "leak.txt").unlink()
+    _rewrite(eng, lambda m: m["files"].pop("target/leak.txt"))
+    read_manifest(eng)
+    # a weights file dropped from the list and then corrupted is not served
+    _rewrite(eng, lambda m: m["files"].pop("drafts/mtp/model.safetensors"))
+    with open(eng / "drafts" / "mtp" / "model.safetensors", "r+b") as f:
+        f.seek(200)
+        f.write(b"\x00\x01\x02")
+    with pytest.raises(EngineError, match="files not in the manifest: drafts/mtp/model.safetensors"):
+        read_manifest(eng)
+
+
+def test_build_checks_its_inputs_first_and_never_leaves_a_partial_engine(parts, tmp_path):
+    root, _, _ = parts
+    with pytest.raises(FileNotFoundError, match="prompts.jsonl not found"):
+        build(str(root / "target"), str(root / "drafts"), str(tmp_path / "e"),
+              str(tmp_path / "no-data"), backends=("eager",), max_tokens=8)
+    assert not any(tmp_path.iterdir())  # failed before anything was written
+    shutil.copytree(root / "engine", tmp_path / "e")
+    before = (tmp_path / "e" / "engine.json").read_text()
+    (tmp_path / "bad-data").mkdir()
+    (tmp_path / "bad-data" / "prompts.jsonl").write_text("{not json\n")  # fails at the router step
+    with pytest.raises(ValueError):
+        build(str(root / "target"), str(root / "drafts"), str(tmp_path / "e"),
+              str(tmp_path / "bad-data"), backends=("eager",), max_tokens=8)
+    assert (tmp_path / "e" / "engine.json").read_text() == before  # the old engine still serves
+    read_manifest(tmp_path / "e")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad-data", "e"]  # nothing half-built
 
 
 def test_build_refuses_drafts_of_another_target(parts, tmp_path):

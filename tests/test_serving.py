@@ -1,6 +1,7 @@
 """The served stack: a real tritonserver (the nvidia-pytriton build) started by the tests on free
 ports, hosting a tiny engine the tests build themselves; HTTP generate, gRPC streaming, bad input,
-seeds, busy, cancellation, metrics, and lossless output through the whole stack."""
+seeds, busy, cancellation, metrics, and lossless output through the whole stack (the hardening
+probe, with a slower engine, is test_probe.py)."""
 import json
 import math
 import os
@@ -62,9 +63,6 @@ def server(tmp_path_factory):
             return
         time.sleep(0.5)
     os.killpg(proc.pid, signal.SIGKILL)
-    # known, intermittent (README, "Known gaps"): a shutdown under load can find one ensemble
-    # request still in flight after its angelspec part ended; the server then exits after its
-    # 30 s exit timeout and the angelspec stub outlives it
     warnings.warn("a Python backend stub outlived the server (killed); server log tail:\n"
                   + log.read_text()[-1500:])
 

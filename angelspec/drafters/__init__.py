@@ -3,6 +3,7 @@ training (it uses `<drafts>/ngram/`, the datastore of the target's own responses
 one; `ngram:datastore=0` does without); `mtp`, `dfly` and `dflash` load a trained draft
 (`<drafts>/<name>/`) for the target."""
 import pathlib
+import re
 
 from angelspec.drafters.base import Drafter, Proposal
 from angelspec.drafters.dfly import DFlashDrafter, DFlyDrafter
@@ -16,29 +17,49 @@ TRAINED = ("mtp", "dfly", "dflash")
 DEFAULT_DRAFTS = pathlib.Path("build/drafts")
 
 
+# the options each drafter takes after "name:" (key=value, comma-separated), all integers, with
+# their allowed range: the one check for the CLI, the Python API and the server alike
+OPTIONS = {
+    "none": {},
+    "ngram": {"draft_len": (1, 32), "max_ngram": (1, 8), "min_ngram": (1, 8), "datastore": (0, 1)},
+    **{kind: {"draft_len": (1, 32), "rescore_top_k": (0, 1024), "draft_vocab": (0, 0)}
+       for kind in TRAINED},
+}
+
+
 def parse_spec(name: str) -> tuple[str, dict]:
     """"dfly:rescore_top_k=0,draft_vocab=0" -> ("dfly", {...}): a drafter with serving options
-    (benchmarks compare variants side by side). Unknown names raise ValueError."""
+    (benchmarks compare variants side by side). An unknown name or option, or a value that is not
+    an integer in the option's range, raises ValueError naming it."""
     if not isinstance(name, str):
         raise ValueError(f"drafter must be a string, got {type(name).__name__}")
     base, _, opts = name.partition(":")
     key = ALIASES.get(base, base)
     if key not in DRAFTERS:
         known = sorted(set(DRAFTERS) | set(ALIASES))
-        raise ValueError(f"unknown drafter {base!r}; known drafters: {', '.join(known)}")
-    options = {}
-    for item in filter(None, opts.split(",")):
+        raise ValueError(f"unknown drafter {base[:40]!r}; known drafters: {', '.join(known)}")
+    allowed, options = OPTIONS[key], {}
+    for item in opts.split(",") if opts else []:
         k, sep, v = item.partition("=")
         if not sep:
-            raise ValueError(f"drafter {name!r}: option {item!r} must look like key=value")
-        options[k] = int(v) if v.lstrip("-").isdigit() else v
+            raise ValueError(f"drafter {key}: option {item[:40]!r} must look like key=value")
+        if k not in allowed:
+            raise ValueError(f"drafter {key}: unknown option {k[:40]!r}; its options are "
+                             + (", ".join(allowed) if allowed else "none"))
+        lo, hi = allowed[k]
+        if not re.fullmatch(r"-?[0-9]{1,9}", v) or not lo <= int(v) <= hi:
+            raise ValueError(f"drafter {key}: option {k} must be an integer in [{lo}, {hi}], "
+                             f"got {v[:40]!r}")
+        if k in options:
+            raise ValueError(f"drafter {key}: option {k} given twice")
+        options[k] = int(v)
     return key, options
 
 
 def canonical(name: str) -> str:
-    """Registry name of a user-facing drafter name (with its options, if any)."""
+    """Registry name of a user-facing drafter name (with its options, if any, in a fixed order)."""
     key, options = parse_spec(name)
-    return key + (":" + ",".join(f"{k}={v}" for k, v in options.items()) if options else "")
+    return key + (":" + ",".join(f"{k}={options[k]}" for k in sorted(options)) if options else "")
 
 
 def make_drafter(name: str, draft_len: int | None = None, target=None,
@@ -64,4 +85,4 @@ def make_drafter(name: str, draft_len: int | None = None, target=None,
 
 __all__ = ["ALIASES", "DEFAULT_DRAFTS", "Datastore", "Drafter", "Proposal", "NgramDrafter", "MTPDrafter",
            "DFlyDrafter", "DFlashDrafter", "TRAINED", "canonical", "make_drafter", "parse_spec",
-           "DRAFTERS"]
+           "DRAFTERS", "OPTIONS"]

@@ -18,7 +18,7 @@ from typing import Iterator
 import torch
 
 from angelspec.checkpoint import Target
-from angelspec.drafters import ALIASES, Drafter, Proposal, canonical, make_drafter, parse_spec
+from angelspec.drafters import Drafter, Proposal, canonical, make_drafter, parse_spec
 from angelspec.model import Segment
 from angelspec.plugins import RATIOS, SKINNY_MAX_ROWS, dcut_select
 from angelspec.plugins.verify import sample_inverse_cdf
@@ -26,6 +26,7 @@ from angelspec.runtime.cost import CostTable, profile
 from angelspec.runtime.gate import DraftGate
 from angelspec.runtime.router import RouteState, Router, route_cost
 from angelspec.runtime.sampling import SamplingParams, position_uniforms, probs_from_logits
+from angelspec.runtime.threads import ThreadGovernor
 from angelspec.runtime.verify import verify_batch
 
 
@@ -59,7 +60,8 @@ class RequestState:
     seed: int | None  # sampling: the request's seed (drawn at random when it gave none)
     stats: Stats = field(default_factory=Stats)
     slot: int = -1
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # stop, length, or error (then `error` says why)
+    error: str | None = None
     route: RouteState | None = None  # set when the request asked for `auto`
     views: dict = field(default_factory=dict)  # drafter name -> DrafterView
 
@@ -96,13 +98,14 @@ class DrafterView:
 class Event:
     """Tokens committed for request `index` and its running `stats`; its last event has
     `finish_reason`, the drafter used (for `auto`: the one that drafted most steps) and the
-    router's switches."""
+    router's switches; `error` when finish_reason is "error" (that request failed alone)."""
     index: int
     tokens: list[int]
     finish_reason: str | None = None
     stats: Stats | None = None
     drafter: str | None = None
     switches: list | None = None
+    error: str | None = None
 
 
 @dataclass
@@ -112,6 +115,7 @@ class Result:
     stats: Stats
     drafter: str  # for `auto`: the drafter that drafted most of its steps
     switches: list = field(default_factory=list)  # `auto`: (step, from, to)
+    error: str | None = None  # finish_reason "error": what failed
 
 
 class Engine:
@@ -124,7 +128,8 @@ class Engine:
     def __init__(self, target: Target, max_batch: int = 8, max_len: int = 2048,
                  draft_len: int | None = None, drafters: dict[str, Drafter] | None = None,
                  drafts: str | None = None, dcut: bool = False, cost: CostTable | None = None,
-                 router: Router | None = None, draft_lens: dict[str, int] | None = None):
+                 router: Router | None = None, draft_lens: dict[str, int] | None = None,
+                 kinds: set[str] | None = None, max_drafters: int = 16, adapt_threads: bool = True):
         self.target, self.model = target, target.model
         self.max_batch = max_batch
         self.max_len = min(max_len, self.model.max_len)
@@ -133,6 +138,8 @@ class Engine:
         self.draft_lens = dict(draft_lens or {})  # drafter kind -> its draft length (an engine's)
         self.drafters: dict[str, Drafter] = dict(drafters or {})
         self.drafts = drafts  # folder of trained drafts (<drafts>/mtp, /dfly, /dflash)
+        self.kinds = kinds  # the drafter kinds this engine serves (None: any that can be built)
+        self.max_drafters = max_drafters  # drafter instances (names with options) at most
         self.dcut = dcut
         if dcut and cost is None:
             cost = profile(self.model, max_tokens=SKINNY_MAX_ROWS)
@@ -140,6 +147,9 @@ class Engine:
         self._curves: dict = {}  # requests in a forward -> (C_B(n) tensors, C_B(n) function)
         # with D-cut, drafters whose drafting costs more than it brings sit steps out
         self.gate = DraftGate(route_cost(cost)) if cost else None
+        # with a cost profile to compare against, the step's thread count follows the cores the
+        # engine really gets (threads.py)
+        self.governor = ThreadGovernor() if cost is not None and adapt_threads else None
         self.router = router
         self.prefill_time = 0.0  # seconds spent in prompt forwards (benchmarks separate decoding)
         self.steps = 0  # verification forwards run (one serves every active request)
@@ -156,15 +166,25 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------------
     def drafter_key(self, name: str) -> str:
-        """Registry name of a request's drafter (built on first use); unknown: ValueError."""
+        """Registry name of a request's drafter (built on first use); unknown, not served by this
+        engine, or one variant too many: ValueError. Names that mean the same drafter share one
+        instance, and at most `max_drafters` instances exist (each may hold a draft's weights)."""
         if name == "auto":
             if self.router is None:
                 raise ValueError("drafter 'auto' needs an engine with a router (angelspec build)")
             return "auto"
-        key = ALIASES.get(name, name) if isinstance(name, str) else name
+        if isinstance(name, str) and name in self.drafters:
+            return name
+        key = canonical(name)
         if key not in self.drafters:
-            key = canonical(key)
-            length = self.draft_len or self.draft_lens.get(parse_spec(key)[0])
+            kind = parse_spec(key)[0]
+            if self.kinds is not None and kind not in self.kinds:
+                raise ValueError(f"drafter {kind!r} is not in this engine; it serves "
+                                 + ", ".join(sorted(self.kinds | ({"auto"} if self.router else set()))))
+            if len(self.drafters) >= self.max_drafters:
+                raise ValueError(f"too many drafter variants in use ({self.max_drafters}); use one "
+                                 f"of: {', '.join(sorted(self.drafters))}")
+            length = self.draft_len or self.draft_lens.get(kind)
             self.drafters[key] = make_drafter(key, length, self.target, self.drafts)
         return key
 
@@ -193,6 +213,8 @@ class Engine:
             raise ValueError(f"prompt of {len(req.prompt_ids)} tokens does not fit the context of "
                              f"{self.max_len} tokens (room for at least one new token is needed)")
         params = req.params.validate()
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop token ids must be below the vocabulary size {vocab}")
         name, route = self.drafter_key(req.drafter), None
         if name == "auto":
             name, route = self.router.first(req.prompt_ids, self.available)
@@ -226,7 +248,7 @@ class Engine:
             tokens[ev.index] += ev.tokens
             if ev.finish_reason:
                 results[ev.index] = Result(tokens[ev.index], ev.finish_reason, ev.stats,
-                                           ev.drafter, ev.switches)
+                                           ev.drafter, ev.switches, ev.error)
         return results
 
     def stream(self, requests: list[Request]) -> Iterator[Event]:
@@ -270,7 +292,17 @@ class Engine:
 
     def step(self) -> list[Event]:
         """Admit pending requests into free slots (packed prefill), then run one speculative step
-        for every active request. Returns the events of both."""
+        for every active request. Returns the events of both. The step runs on the thread count
+        the governor chose; the caller's count is restored after it."""
+        if self.governor is None:
+            return self._admit_and_step()
+        outer = self.governor.enter()
+        try:
+            return self._admit_and_step()
+        finally:
+            torch.set_num_threads(outer)
+
+    def _admit_and_step(self) -> list[Event]:
         events = []
         while self.pending and self.free:
             group = self._prefill_group(self.pending, self.free)
@@ -293,7 +325,7 @@ class Engine:
         route = s.route
         return Event(s.index, new, s.finish_reason, s.stats,
                      route.main_drafter(s.drafter) if route else s.drafter,
-                     route.switches if route else [])
+                     route.switches if route else [], s.error)
 
     def _release(self, s: RequestState) -> None:
         if s.route is not None:
@@ -311,7 +343,15 @@ class Engine:
     def _on_commit(self, s: RequestState, hidden: dict, start: int, end: int) -> None:
         for name in self.attached(s):
             d = self.drafters[name]
-            d.on_commit(s.view(name), {l: hidden[l][start:end] for l in d.capture})
+            try:
+                d.on_commit(s.view(name), {l: hidden[l][start:end] for l in d.capture})
+            except Exception as exc:  # noqa: BLE001 - this request fails, the batch goes on
+                self._fail(s, name, exc)
+
+    @staticmethod
+    def _fail(s: RequestState, drafter: str, exc: Exception) -> None:
+        """End request s with an error of its drafter's; the other requests are not touched."""
+        s.finish_reason, s.error = "error", f"drafter {drafter} failed: {type(exc).__name__}: {exc}"
 
     def _prefill_group(self, pending: deque, free: list[int]) -> list[RequestState]:
         """Next prompts to prefill in one packed forward. Packing stays within the row-exact
@@ -352,9 +392,11 @@ class Engine:
             return int(logits.argmax())
         return int(sample_inverse_cdf(probs_from_logits(logits[None], s.params), s.uniforms(1)))
 
-    def _propose(self, active: list[RequestState], names: list[str]) -> tuple[list[Proposal], dict]:
+    def _propose(self, active: list[RequestState], names: list[str],
+                 shadow: bool = False) -> tuple[list[Proposal], dict]:
         """One proposal per request from drafter names[i] (grouped: one call per drafter), and
-        the seconds each drafter took."""
+        the seconds each drafter took. A drafter that raises fails its requests (a shadow
+        draft for routing only loses its say)."""
         props: list[Proposal | None] = [None] * len(active)
         spent: dict[str, float] = {}
         groups: dict[str, list[int]] = {}
@@ -363,8 +405,14 @@ class Engine:
         for name, idx in groups.items():
             t0 = time.perf_counter()
             views = [active[i].view(name) for i in idx]
-            for i, p in zip(idx, self.drafter(name).propose(views)):
-                props[i] = p
+            try:
+                for i, p in zip(idx, self.drafter(name).propose(views), strict=True):
+                    props[i] = p
+            except Exception as exc:  # noqa: BLE001 - these requests fail, the batch goes on
+                for i in idx:
+                    if not shadow:
+                        self._fail(active[i], name, exc)
+                    props[i] = Proposal.empty()
             spent[name] = time.perf_counter() - t0
             if self.router is not None:
                 self.router.note_draft_time(name, spent[name] / len(idx))
@@ -412,6 +460,14 @@ class Engine:
         if gate is not None:
             names = gate.plan(self.steps, names, t_fixed, curve)
         props, drafting = self._propose(active, names)
+        failed = [(s, []) for s in active if s.finish_reason == "error"]
+        if failed:  # a drafter raised: its requests end with that error, the others step on
+            keep = [i for i, s in enumerate(active) if s.finish_reason != "error"]
+            active, names, props = [active[i] for i in keep], [names[i] for i in keep], \
+                [props[i] for i in keep]
+            drafting = {n: t for n, t in drafting.items() if n in names}
+            if not active:
+                return failed
         shadow = {}  # routed requests: one other candidate drafts too, every few steps
         for i, s in enumerate(active):
             if s.route is not None:
@@ -420,7 +476,8 @@ class Engine:
                     shadow[i] = name
         if shadow:
             idx = list(shadow)
-            for i, p in zip(idx, self._propose([active[i] for i in idx], [shadow[i] for i in idx])[0]):
+            for i, p in zip(idx, self._propose([active[i] for i in idx], [shadow[i] for i in idx],
+                                               shadow=True)[0]):
                 self.router.record(active[i].route, shadow[i], len(active[i].tokens), p.tokens.tolist())
         t_draft = time.perf_counter() - t_step
         props = self._cut(props, t_draft, t_fixed)
@@ -435,6 +492,8 @@ class Engine:
                                             self.cache, capture=self._capture(active))
         t_fwd = time.perf_counter() - t_fwd
         if curve is not None:
+            if self.governor is not None:
+                self.governor.observe(t_fwd, curve(len(tokens)))
             off = t_fwd - curve(len(tokens))
             old = self.fwd_offset.get(len(active))
             self.fwd_offset[len(active)] = off if old is None else 0.8 * old + 0.2 * off
@@ -455,6 +514,7 @@ class Engine:
                 s.drafter = self.router.observe(s.route, s.drafter, accepted, k, s.tokens, curve)
             out.append((s, committed))
             row += k + 1
+        out += failed
         if gate is not None:
             for name, seconds in drafting.items():
                 mine = [(len(p.tokens), v[0]) for n, p, v in zip(names, props, verdicts) if n == name]

@@ -34,8 +34,22 @@ def sha256(path: pathlib.Path) -> str:
     return h.hexdigest()
 
 
+def _inside(path: pathlib.Path, name: object) -> bool:
+    """Whether manifest entry `name` is a plain relative path to a regular file inside `path`
+    (no `..`, no absolute path, no link leading out)."""
+    if not isinstance(name, str) or not name or name.startswith(("/", "\\")) or "\\" in name:
+        return False
+    parts = pathlib.PurePosixPath(name).parts
+    if ".." in parts or "." in parts:
+        return False
+    root = path.resolve()
+    return (path / name).resolve().is_relative_to(root)
+
+
 def read_manifest(path: str | pathlib.Path, verify: bool = True) -> dict:
-    """The manifest of an engine folder; with `verify`, every file's SHA-256 is checked."""
+    """The manifest of an engine folder. Every entry must name a file inside the folder; with
+    `verify`, every file in the folder must be listed (the loader reads nothing unverified) and
+    every listed file's SHA-256 must match. Errors name entries, never what lies outside."""
     path = pathlib.Path(path)
     if not path.is_dir():
         raise EngineError(f"{path}: no such engine folder (build one with `angelspec build`)")
@@ -47,14 +61,28 @@ def read_manifest(path: str | pathlib.Path, verify: bool = True) -> dict:
         manifest = json.loads(mf.read_text())
     except json.JSONDecodeError as exc:
         raise EngineError(f"{mf}: not valid JSON ({exc})") from exc
-    if manifest.get("format") != FORMAT:
-        raise EngineError(f"{mf}: engine format {manifest.get('format')!r}, this AngelSpec reads "
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else None
+        raise EngineError(f"{mf}: engine format {found!r}, this AngelSpec reads "
                           f"format {FORMAT}: rebuild the engine")
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        raise EngineError(f"{mf}: no file list: rebuild the engine")
+    outside = [i for i, name in enumerate(files) if not _inside(path, name)]
+    if outside:
+        raise EngineError(f"{mf}: entries {outside[:5]} of its file list are not paths inside the "
+                          "engine folder: refused (rebuild the engine)")
     if verify:
-        missing = [f for f in manifest["files"] if not (path / f).is_file()]
+        missing = [f for f in files if not (path / f).is_file()]
         if missing:
             raise EngineError(f"{path}: incomplete engine, missing {', '.join(missing)}")
-        bad = [f for f, digest in manifest["files"].items() if sha256(path / f) != digest]
+        unlisted = sorted(str(f.relative_to(path)) for f in path.rglob("*")
+                          if (f.is_file() or f.is_symlink()) and f.name != MANIFEST
+                          and str(f.relative_to(path)) not in files)
+        if unlisted:
+            raise EngineError(f"{path}: files not in the manifest: {', '.join(unlisted[:5])} "
+                              "(an engine serves only files it verifies: rebuild it)")
+        bad = [f for f, digest in files.items() if sha256(path / f) != digest]
         if bad:
             raise EngineError(f"{path}: corrupted engine, checksum mismatch in {', '.join(bad)} "
                               "(rebuild it with `angelspec build`)")
@@ -104,7 +132,8 @@ def load_engine(path: str | pathlib.Path, max_batch: int = 8, max_len: int = 204
     engine = Engine(target, max_batch=max_batch, max_len=max_len, drafts=str(path / "drafts"),
                     dcut=manifest["defaults"]["dcut"] if dcut is None else dcut, cost=cost,
                     router=router, draft_lens={k: d["max_draft_len"]
-                                               for k, d in manifest["drafters"].items()})
+                                               for k, d in manifest["drafters"].items()},
+                    kinds=set(manifest["drafters"]) | {"none", "ngram"})
     engine.manifest = manifest
     engine.default_drafter = manifest["defaults"]["drafter"]
     return engine

@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+# the smallest temperature that samples: below it, logits / T overflow float32 (a subnormal T
+# turned the distribution into NaN); 0 means greedy
+MIN_TEMPERATURE = 1e-3
+
 
 @dataclass
 class SamplingParams:
@@ -26,8 +30,9 @@ class SamplingParams:
             raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or math.isnan(t) or t < 0 \
-                or math.isinf(t):
-            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
+                or math.isinf(t) or 0 < t < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or a finite number >= "
+                             f"{MIN_TEMPERATURE:g}, got {t!r}")
         p = self.top_p
         if isinstance(p, bool) or not isinstance(p, (int, float)) or math.isnan(p) or not 0 < p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {p!r}")

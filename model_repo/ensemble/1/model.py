@@ -1,12 +1,25 @@
-"""The engine behind Triton (decoupled): requests that arrive while a step runs join the next
-step (continuous batching); every step's tokens stream out as they are committed.
+"""The served model (decoupled Python), under the name tensorrtllm_backend clients call,
+`ensemble`, with its tensor names: text in; the engine's tokens streamed back as text, with
+acceptance statistics. Requests that arrive while a step runs join the next step (continuous
+batching); every step's tokens stream out as they are committed, cut only at character
+boundaries.
 
-One worker thread owns the engine, from loading it on. `execute` only validates and queues. More requests than
-max_batch_size + max_queue get a "busy, retry" error instead of an unbounded queue; a request past
-its timeout (request_timeout_s, or the client's own request timeout if shorter), or whose client
-went away, is ended and its slot freed at the next step.
+Why one model and not a platform ensemble (preprocessing -> engine -> postprocessing): Triton 2.51
+tells a top-level request that its client went away (a cancelled gRPC stream, a closed HTTP
+connection, on `generate` and `generate_stream` alike: `is_cancelled()` turns true) but does not
+pass that on to the models inside an ensemble, so the engine kept decoding for nobody (measured:
+none of the three transports reached it). Here the engine sees its own requests' cancellation and
+frees the slot at its next step. The text stages are the functions of angelspec.text, the same
+the CLI and the Python API use.
+
+One worker thread owns the engine, from loading it on. `execute` only validates and queues.
+More requests than max_batch_size + max_queue get "busy, retry later" (UNAVAILABLE: HTTP 503,
+gRPC UNAVAILABLE) instead of an unbounded queue; a request past its timeout (request_timeout_s, or
+the client's own request timeout if shorter) is ended with an error and its slot freed. A request
+whose drafter fails ends with that error alone; the others go on.
 """
 import json
+import pathlib
 import queue
 import threading
 import time
@@ -15,6 +28,31 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+# the inputs of config.pbtxt: Triton's HTTP generate endpoint turns any other JSON field into a
+# request parameter, which is refused by name
+FIELDS = {"text_input", "max_tokens", "stream", "temperature", "top_p", "top_k", "seed", "end_id",
+          "ignore_eos", "stop_words", "drafter"}
+CANCEL_CHECK_S = 0.01  # how often open requests are asked whether their client went away
+
+
+def _error(message, code="INVALID_ARG"):
+    """An error response; `code` names a TritonError code (pb_utils has no TritonError while
+    Triton first imports this file)."""
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(
+        message, getattr(pb_utils.TritonError, code)))
+
+
+def _strings(request, name):
+    t = pb_utils.get_input_tensor_by_name(request, name)
+    if t is None:
+        return None
+    out = []
+    for v in t.as_numpy().reshape(-1):
+        try:
+            out.append(v.decode("utf-8") if isinstance(v, bytes) else str(v))
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{name} is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+    return out
 
 
 def _scalar(request, name, default):
@@ -25,7 +63,9 @@ def _scalar(request, name, default):
     if a.size != 1:
         raise ValueError(f"{name} must hold exactly one value, got {a.size}")
     v = a[0]
-    return v.decode("utf-8") if isinstance(v, bytes) else v.item()
+    if isinstance(v, bytes):
+        return _strings(request, name)[0]
+    return v.item()
 
 
 class Job:
@@ -46,12 +86,15 @@ class TritonPythonModel:
         self.max_batch = int(p["max_batch_size"])
         self.capacity = self.max_batch + int(p["max_queue"])
         self.timeout = float(p["request_timeout_s"])
+        # the engine's path: in a file beside this one, not in the config clients can read
+        self.engine_dir = json.loads((pathlib.Path(__file__).parent / "private.json").read_text())["engine_dir"]
         dcut = {"on": True, "off": False}.get(p.get("dcut", ""))  # else: the engine's default
         self.inbox: queue.Queue = queue.Queue()
         self.jobs: dict[int, Job] = {}
         self.lock = threading.Lock()
         self.next_id = 0
         self.running = True
+        self.checked = 0.0  # when open requests were last asked for cancellation
         self.metrics()
         # The worker thread does ALL the torch work, loading and warm-up included. Every thread
         # that runs an OpenMP parallel region keeps its own pool of threads, and once the pools
@@ -62,7 +105,8 @@ class TritonPythonModel:
 
         def start():
             try:
-                self.engine = load_engine(p["engine_dir"], max_batch=self.max_batch, max_len=2048, dcut=dcut)
+                self.engine = load_engine(self.engine_dir, max_batch=self.max_batch,
+                                          max_len=int(p["max_len"]), dcut=dcut)
                 self.engine.warm_up()  # ready means ready: the first request took ~50 s without it
             except BaseException as exc:  # noqa: BLE001 - re-raised by initialize
                 failed.append(exc)
@@ -95,7 +139,7 @@ class TritonPythonModel:
         self.latency = self.m_latency.Metric(labels={})
         self.step_time = self.m_time.Metric(labels={})
         self.active = self.m_active.Metric(labels={})
-        self.per_drafter = {}
+        self.per_drafter = {}  # at most the engine's drafter instances (a bounded set)
 
     def drafter_metrics(self, name):
         if name not in self.per_drafter:
@@ -105,9 +149,22 @@ class TritonPythonModel:
 
     # -- requests -----------------------------------------------------------------------------
     def parse(self, request):
+        """A request's fields -> (Request, stream). Text fields are checked here; every other
+        value by the engine's own checks when it is admitted (the ones the CLI and the Python
+        API meet)."""
         from angelspec.runtime import Request, SamplingParams
+        from angelspec.text import encode_chat, encode_stop_words
 
-        ids = pb_utils.get_input_tensor_by_name(request, "input_ids").as_numpy().reshape(-1)
+        unknown = sorted(set(json.loads(request.parameters() or "{}")) - FIELDS)
+        if unknown:
+            raise ValueError(f"unknown field(s) {', '.join(unknown)[:200]}; the fields are "
+                             + ", ".join(sorted(FIELDS)))
+        text = _scalar(request, "text_input", None)
+        if text is None:
+            raise ValueError("text_input is required")
+        if not text.strip():
+            raise ValueError("text_input is empty: give some text to respond to")
+        ids = encode_chat(self.tok, text)
         max_tokens = _scalar(request, "max_tokens", None)
         if max_tokens is None:
             raise ValueError("max_tokens is required")
@@ -117,32 +174,35 @@ class TritonPythonModel:
         if max_tokens > room > 0:
             raise ValueError(f"max_tokens {max_tokens} exceeds the room left in the context: "
                              f"{len(ids)} prompt tokens of {self.engine.max_len}, at most {room}")
-        seed = _scalar(request, "seed", None)
-        stops = pb_utils.get_input_tensor_by_name(request, "stop_ids")
-        stop_ids = [] if stops is None else stops.as_numpy().reshape(-1).tolist()
+        stop_ids = encode_stop_words(self.tok, _strings(request, "stop_words") or [])
         end_id = _scalar(request, "end_id", None)
         if end_id is not None:
             stop_ids.append(int(end_id))
+        seed = _scalar(request, "seed", None)
         params = SamplingParams(
             max_new_tokens=int(max_tokens), temperature=float(_scalar(request, "temperature", 0.0)),
             top_p=float(_scalar(request, "top_p", 1.0)), top_k=int(_scalar(request, "top_k", 0)),
-            seed=None if seed is None else int(seed), stop_token_ids=[int(t) for t in stop_ids])
+            seed=None if seed is None else int(seed), stop_token_ids=stop_ids,
+            ignore_eos=bool(_scalar(request, "ignore_eos", False)))
         drafter = _scalar(request, "drafter", "") or self.engine.default_drafter
-        stream = bool(_scalar(request, "stream", False))
-        return Request([int(t) for t in ids], params, drafter), stream
+        return Request(ids, params, drafter), bool(_scalar(request, "stream", False))
+
+    def clean(self, message) -> str:
+        """An error for a client: no server paths in it."""
+        return str(message).replace(self.engine_dir, "<engine>")
 
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
             try:
                 req, stream = self.parse(request)
-            except Exception as exc:
-                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))), flags=FINAL)
+            except Exception as exc:  # noqa: BLE001 - one bad request gets its own error
+                sender.send(_error(self.clean(exc)), flags=FINAL)
                 continue
             with self.lock:
                 if len(self.jobs) + self.inbox.qsize() >= self.capacity:
-                    sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
-                        f"busy: {self.capacity} requests in flight, retry later")), flags=FINAL)
+                    sender.send(_error(f"busy: {self.capacity} requests in flight, retry later",
+                                       "UNAVAILABLE"), flags=FINAL)
                     continue
                 self.next_id += 1
                 rid = self.next_id
@@ -162,9 +222,11 @@ class TritonPythonModel:
             t0 = time.perf_counter()
             try:
                 events = self.engine.step()
-            except Exception as exc:  # never leave clients hanging: fail what is in flight
+            except Exception as exc:  # noqa: BLE001 - never leave clients hanging
+                # a drafter's failure ends its own requests inside the step; what reaches here
+                # broke the shared forward, so every request in it fails
                 for rid in list(self.jobs):
-                    self.fail(rid, f"engine error: {exc}")
+                    self.fail(rid, f"engine error: {type(exc).__name__}: {exc}", "INTERNAL")
                 continue
             dt = time.perf_counter() - t0
             self.latency.set(dt)
@@ -183,35 +245,39 @@ class TritonPythonModel:
             try:
                 self.engine.submit(req, rid)
                 self.jobs[rid] = job
-            except Exception as exc:
-                job.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))),
-                                flags=FINAL)
+            except Exception as exc:  # noqa: BLE001 - one bad request gets its own error
+                job.sender.send(_error(self.clean(exc)), flags=FINAL)
             try:
                 item = self.inbox.get_nowait()
             except queue.Empty:
                 item = None
 
     def expire(self):
+        """End requests whose client went away (every CANCEL_CHECK_S: each question is a round
+        trip to the server process) or whose deadline passed."""
         now = time.time()
+        ask = now - self.checked >= CANCEL_CHECK_S
+        if ask:
+            self.checked = now
         for rid, job in list(self.jobs.items()):
-            if job.sender.is_cancelled():
+            if ask and job.sender.is_cancelled():
                 self.engine.cancel(rid)
                 del self.jobs[rid]
                 job.sender.send(flags=FINAL)  # the request is complete: Triton can release it
             elif now > job.deadline:
-                self.fail(rid, f"request timed out after {job.limit:g} s")
+                self.fail(rid, f"request timed out after {job.limit:g} s", "UNAVAILABLE")
 
-    def fail(self, rid, message):
+    def fail(self, rid, message, code="INVALID_ARG"):
         self.engine.cancel(rid)
         job = self.jobs.pop(rid, None)
         if job is not None:
-            job.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), flags=FINAL)
+            job.sender.send(_error(self.clean(message), code), flags=FINAL)
 
-    def response(self, ids, stats, drafter):
+    def response(self, text, stats, drafter):
         drafted = stats.drafted if stats else 0
         accepted = stats.accepted if stats else 0
         return pb_utils.InferenceResponse(output_tensors=[
-            pb_utils.Tensor("output_ids", np.array(ids, dtype=np.int32)),
+            pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=object)),
             pb_utils.Tensor("acceptance_rate", np.array([accepted / drafted if drafted else 0.0], dtype=np.float32)),
             pb_utils.Tensor("total_accepted_draft_tokens", np.array([accepted], dtype=np.int32)),
             pb_utils.Tensor("total_draft_tokens", np.array([drafted], dtype=np.int32)),
@@ -222,23 +288,27 @@ class TritonPythonModel:
         if job is None:
             return
         job.tokens += ev.tokens
+        if ev.finish_reason == "error":  # this request's drafter failed; the others went on
+            return self.fail(ev.index, ev.error, "INTERNAL")
         if ev.finish_reason:
             del self.jobs[ev.index]
             d, a = self.drafter_metrics(ev.drafter)
             d.increment(ev.stats.drafted)
             a.increment(ev.stats.accepted)
             ids = job.held + ev.tokens if job.stream else job.tokens
-            job.sender.send(self.response(ids, ev.stats, ev.drafter), flags=FINAL)
+            text = self.tok.decode(ids, skip_special_tokens=True)
+            job.sender.send(self.response(text, ev.stats, ev.drafter), flags=FINAL)
             return
         if not job.stream or not ev.tokens:
             return
         job.held += ev.tokens
         # hold back tokens that end inside a multi-byte character: chunks never split one (the
         # held tokens start where a character starts, so decoding them alone tells)
-        if self.tok.decode(job.held, skip_special_tokens=True).endswith("\ufffd"):
+        text = self.tok.decode(job.held, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
             return
-        ids, job.held = job.held, []
-        job.sender.send(self.response(ids, ev.stats, None))
+        job.held = []
+        job.sender.send(self.response(text, ev.stats, None))
 
     def finalize(self):
         """Shutting down: stop the worker, then end every request still open with an error, so
@@ -246,8 +316,7 @@ class TritonPythonModel:
         self.running = False
         self.worker.join(timeout=5)
         for rid in list(self.jobs):
-            self.fail(rid, "the server is shutting down")
+            self.fail(rid, "the server is shutting down", "UNAVAILABLE")
         while not self.inbox.empty():
             _, _, job = self.inbox.get_nowait()
-            job.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
-                "the server is shutting down")), flags=FINAL)
+            job.sender.send(_error("the server is shutting down", "UNAVAILABLE"), flags=FINAL)
