@@ -57,10 +57,13 @@ class ThreadGovernor:
         if self.full == self.reduced or profiled <= 0:
             return
         self.ratios.append(seconds / profiled)
-        if len(self.ratios) < self.window:
+        # a trial is short: a stalled count runs ~2x slower, which two steps show
+        if len(self.ratios) < (self.window if self.trial is None else max(2, self.window // 2)):
             return
         ratios, self.ratios = sorted(self.ratios), []
-        mean = sum(ratios[:-1]) / (len(ratios) - 1)  # the slowest step of a window is dropped
+        if len(ratios) > 2:
+            ratios = ratios[:-1]  # the slowest step of a window is dropped
+        mean = sum(ratios) / len(ratios)
         now = self.n
         self.mean[now] = mean
         other = self.reduced if now == self.full else self.full
