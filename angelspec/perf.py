@@ -267,7 +267,7 @@ def sweep(engine_dir: str, prompts: list[str], drafters: list[str], dcuts: list[
             engine = load_engine(engine_dir, max_batch=max(concurrencies), dcut=dcut == "on",
                                  target=target)
             engine.warm_up(mine)  # as the server did before it said it was ready
-            if target is None:  # the served preprocessing's encoding; its tokenizer counts output
+            if target is None:  # the served model's encoding; its tokenizer counts output
                 target = engine.target
                 tok = target.tokenizer
                 count = lambda text: len(tok.encode(text, add_special_tokens=False)) if text else 0  # noqa: E731
