@@ -25,7 +25,7 @@ from angelspec.builders.build import build
 from angelspec.runtime.engine_dir import load_engine
 from angelspec.runtime import Request, SamplingParams
 from conftest import make_checkpoint
-from test_serving import generate, grpc_call, tensor
+from test_serving import generate, tensor
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 pytest.importorskip("pytriton")
