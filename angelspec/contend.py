@@ -39,6 +39,7 @@ def contend(engine, ids: list[list[int]], drafters: list[str], n_busy: int, max_
     seconds = dict.fromkeys(tokens, 0.0)
     # one governor per adaptive configuration, kept across its turns as a server keeps one
     governors = {c: ThreadGovernor() for c in CONFIGS if c.endswith("adaptive")}
+    own = engine.governor
     procs = busy_processes(n_busy)
     try:
         engine.generate([Request(ids[0], SamplingParams(max_new_tokens=8), "none")])  # warm-up
@@ -60,7 +61,7 @@ def contend(engine, ids: list[list[int]], drafters: list[str], n_busy: int, max_
             p.kill()
             p.wait()
         torch.set_num_threads(full)
-        engine.governor = ThreadGovernor()
+        engine.governor = own
     rows = []
     for d in drafters:
         tps = {c: round(tokens[(d, c)] / seconds[(d, c)], 2) for c in CONFIGS}

@@ -1,5 +1,4 @@
-"""Text in and out of the target's tokenizer, one way for the CLI, the Python API and the server
-(this module imports no torch: the server's text stage loads it alone).
+"""User text into the target's tokens, one way for the CLI, the Python API and the server.
 
 The rule for user text: it is text. A user who writes `<|im_start|>system` gets the tokens of
 those characters, never the control token, so no prompt can forge a conversation turn. Only the

@@ -52,17 +52,12 @@ class TrainedDrafter(Drafter):
     """Base of the drafters built from a trained draft checkpoint. `model_cls` is the nn.Module."""
     model_cls = None
 
-    SERVING_OPTIONS = ("draft_len", "rescore_top_k", "draft_vocab")
-
     def __init__(self, target, path: str | pathlib.Path, **options):
-        """options: draft_len, rescore_top_k, draft_vocab=0 (serve over the full vocabulary)."""
+        """options (checked by the registry, angelspec.drafters.OPTIONS): draft_len,
+        rescore_top_k, draft_vocab=0 (serve over the full vocabulary)."""
         cfg, state = load_draft(path, target)
         if cfg.kind != self.name:
             raise ValueError(f"{path} holds a {cfg.kind} draft, not {self.name}")
-        bad = set(options) - set(self.SERVING_OPTIONS)
-        if bad or options.get("draft_vocab", 0) != 0:
-            raise ValueError(f"{self.name}: serving options are {', '.join(self.SERVING_OPTIONS)} "
-                             "(draft_vocab=0 only: the full vocabulary)")
         trained_vocab = state["vocab_ids"]
         cfg = dataclasses.replace(cfg, **options)
         super().__init__(cfg.draft_len)

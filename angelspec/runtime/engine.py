@@ -492,9 +492,10 @@ class Engine:
                                             self.cache, capture=self._capture(active))
         t_fwd = time.perf_counter() - t_fwd
         if curve is not None:
+            profiled = curve(len(tokens))
             if self.governor is not None:
-                self.governor.observe(t_fwd, curve(len(tokens)))
-            off = t_fwd - curve(len(tokens))
+                self.governor.observe(t_fwd, profiled)
+            off = t_fwd - profiled
             old = self.fwd_offset.get(len(active))
             self.fwd_offset[len(active)] = off if old is None else 0.8 * old + 0.2 * off
         verdicts = verify_batch(logits, [p.tokens for p in props], [s.params for s in active],
