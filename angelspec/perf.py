@@ -24,7 +24,7 @@ import numpy as np
 # a fifth of a 16-client point, and its speedup moved by +-10% from run to run
 TURNS = 4
 FIELDS = ["dcut", "drafter", "concurrency", "requests", "output_tok_s", "ttft_p50_ms",
-          "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "step_ms", "accept_rate"]
+          "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "step_ms", "in_process_step_ms", "accept_rate"]
 
 
 def perf_analyzer_env(folder: pathlib.Path) -> dict:
@@ -136,6 +136,28 @@ def in_process(engine, ids: list[int], drafter: str, max_tokens: int, count_toke
         out += [tok for e in events for tok in e.tokens]
     return {"tokens": count_tokens(engine.target.decode(out)), "seconds": time.perf_counter() - t0,
             "steps": steps, "step_s": step_s}
+
+
+def in_process_load(engine, prompt_ids: list[list[int]], drafter: str, max_tokens: int,
+                    concurrency: int, requests: int) -> float:
+    """A served point's load replayed in this process: `requests` requests with `concurrency` in
+    flight, the next one admitted before the step after one finishes (as the served worker admits
+    what arrived while it stepped) -> the mean engine step in ms, to set beside the served one."""
+    from angelspec.runtime import Request, SamplingParams
+
+    sent = open_ = steps = 0
+    step_s = 0.0
+    while sent < requests or engine.busy:
+        while open_ < concurrency and sent < requests:
+            ids = prompt_ids[sent % len(prompt_ids)]
+            engine.submit(Request(ids, SamplingParams(max_new_tokens=max_tokens), drafter), sent)
+            sent, open_ = sent + 1, open_ + 1
+        t = time.perf_counter()
+        events = engine.step()
+        step_s += time.perf_counter() - t
+        steps += 1
+        open_ -= sum(1 for e in events if e.finish_reason)
+    return round(1e3 * step_s / steps, 2)
 
 
 def served(client, results, metrics_port: int, prompt: str, drafter: str, max_tokens: int,
@@ -276,10 +298,12 @@ def sweep(engine_dir: str, prompts: list[str], drafters: list[str], dcuts: list[
                 for d in mine:
                     inputs = out / f"inputs-{d}.json"
                     write_inputs(inputs, prompts, d, max_tokens)
+                    count_req = max(min_requests, TURNS * n)
                     row = run_point(ports["grpc"], ports["metrics"], inputs, n,
-                                    out / f"export-{dcut}-{d}-{n}.json",
-                                    max(min_requests, TURNS * n),
-                                    env, count, log)
+                                    out / f"export-{dcut}-{d}-{n}.json", count_req, env, count, log)
+                    # the same load in this process, right after: what the step costs without Triton
+                    row["in_process_step_ms"] = in_process_load(engine, prompt_ids, d, max_tokens,
+                                                                n, count_req)
                     rows.append({"dcut": dcut, "drafter": d, "concurrency": n, **row})
                     if n == 1:  # the server's own overhead, served and in-process interleaved
                         costs[f"{d}, D-cut {dcut}"] = overhead(
@@ -451,6 +475,11 @@ def run(args) -> int:
     result = sweep(args.engine, prompts, args.drafters.split(","), args.dcut.split(","), levels,
                    args.max_tokens, pathlib.Path(args.out), args.requests)
     print(speedup_table(result["rows"]))
+    print("\nmean engine step, served vs the same load replayed in process:")
+    for r in result["rows"]:
+        if r["step_ms"] and r["in_process_step_ms"]:
+            print(f"  {r['drafter']}, D-cut {r['dcut']}, {r['concurrency']} in flight: {r['step_ms']} vs "
+                  f"{r['in_process_step_ms']} ms ({r['step_ms'] / r['in_process_step_ms']:.2f}x)")
     print("\nserved vs in-process, one request at a time:")
     for name, o in result["overhead"].items():
         print(f"  {name}: {o['served_tok_s']} vs {o['in_process_tok_s']} tok/s "
