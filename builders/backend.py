@@ -4,37 +4,13 @@ serving machine and keeps the compiled one only when its logits are bit-identica
 (lossless) and it is at least `min_gain` faster: it costs minutes of compilation at every start."""
 from __future__ import annotations
 
-import functools
 import statistics
 import time
 
 import torch
 
 from angelspec.model import Llama, Segment
-from angelspec.plugins import SKINNY_MAX_ROWS
-
-BACKENDS = ("eager", "inductor")
-
-
-def use_backend(model: Llama, backend: str) -> None:
-    """Route model.forward through `backend` (in place; `eager` restores the plain forward).
-    Compiled, only decoding and verification forwards (up to SKINNY_MAX_ROWS tokens, the
-    row-exact kernels) go through the compiled graph; prompt prefill stays eager, so a compiled
-    engine computes exactly what the eager one does."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
-    model.__dict__.pop("forward", None)
-    if backend == "eager":
-        return
-    eager = model.forward
-    inner = torch.compile(functools.partial(Llama.forward.__wrapped__, model), dynamic=True)
-
-    @torch.inference_mode()
-    def forward(tokens, batch, cache, logit_rows=None, capture=()):
-        if len(tokens) > SKINNY_MAX_ROWS:
-            return eager(tokens, batch, cache, logit_rows, capture)
-        return inner(tokens, batch, cache, logit_rows, capture)
-    model.forward = forward
+from angelspec.runtime.backend import BACKENDS, use_backend
 
 
 def measure(model: Llama, backends, sizes=(1, 8), context: int = 256, reps: int = 9) -> dict:
@@ -53,7 +29,7 @@ def measure(model: Llama, backends, sizes=(1, 8), context: int = 256, reps: int 
     try:
         for b in backends:  # compile (first call) and keep each backend's forward
             use_backend(model, b)
-            forwards[b] = model.forward
+            forwards[b] = torch.inference_mode()(model.compiled or model.eager_forward)
             t0 = time.perf_counter()
             logits[b] = {n: forwards[b](toks[context:context + n], batches[n], cache)[0]
                          for n in sizes}

@@ -19,10 +19,14 @@ import time
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from angelspec.bench import DEFAULT_PROMPTS, load_prompts
+from angelspec.builders.backend import choose
+from angelspec.builders.trtllm import export as export_trtllm
 from angelspec.checkpoint import CheckpointError, load_target
 from angelspec.drafters import TRAINED, Datastore, make_drafter
-from angelspec.plugins import RATIOS, SKINNY_MAX_ROWS, amx_available
+from angelspec.plugins import RATIOS, SKINNY_MAX_ROWS
+from angelspec.prompts import DEFAULT_PROMPTS, load_prompts
+from angelspec.runtime import Engine, Request, SamplingParams
+from angelspec.runtime.backend import choose_weights, use_backend
 from angelspec.runtime.cost import fingerprint, profile
 from angelspec.runtime.engine_dir import FORMAT, MANIFEST, sha256
 from angelspec.runtime.router import DEFAULT_ROUTES, DOMAINS, DomainClassifier, Router, contenders
@@ -81,8 +85,6 @@ def calibrate_routes(target, drafts_dir: pathlib.Path, candidates: list[str], co
     `per_domain` bundled benchmark prompts of that domain (never the data step's held-out split),
     drafters taking turns prompt by prompt on this machine; with D-cut (and its gate) over the
     cost table `cost` when given, as the engine serves."""
-    from angelspec.runtime import Engine, Request, SamplingParams
-
     rows = [r for r in load_prompts(DEFAULT_PROMPTS, per_domain) if r["domain"] in DOMAINS]
     ids = [target.encode_chat(r["prompt"]) for r in rows]
     engine = Engine(target, max_batch=1, max_len=max(map(len, ids)) + max_new + 1,
@@ -99,26 +101,6 @@ def calibrate_routes(target, drafts_dir: pathlib.Path, candidates: list[str], co
     speed = {d: {c: round(tokens[(d, c)] / max(seconds[(d, c)], 1e-9), 2) for c in candidates}
              for d in DOMAINS}
     return {d: max(s, key=s.get) for d, s in speed.items()}, speed
-
-
-def choose_weights(model, asked: str = "auto") -> dict:
-    """The dtype the engine's matmul weights serve in. `auto`: bfloat16 when this CPU has AMX-BF16
-    tiles (a float32 checkpoint's weights are then rounded to bf16, at most 2^-9 relative, as any
-    bf16 serving stack does), else float32."""
-    if asked not in ("auto", "float32", "bfloat16"):
-        raise ValueError(f"unknown weights dtype {asked!r} (auto, float32, bfloat16)")
-    amx, exact = amx_available(), model.bf16_exact()
-    if asked == "auto":
-        dtype = "bfloat16" if amx else "float32"
-        why = "AMX-BF16 tiles on this CPU" if amx else "no AMX-BF16 tiles on this CPU"
-    else:
-        dtype, why = asked, "asked for"
-    if dtype == "bfloat16" and not amx:
-        raise ValueError("bfloat16 weights need AMX-BF16 tiles, which this CPU does not offer")
-    if dtype == "bfloat16":
-        why += ("; the checkpoint's weights are bf16 values (nothing rounded)" if exact else
-                "; the checkpoint's float32 weights rounded to bf16")
-    return {"dtype": dtype, "asked": asked, "why": why, "checkpoint_is_bf16": exact}
 
 
 def build(target_dir: str, drafts_dir: str, out: str, data_dir: str | None = None,
@@ -148,8 +130,6 @@ def build(target_dir: str, drafts_dir: str, out: str, data_dir: str | None = Non
 def _build(target_dir: pathlib.Path, drafts_dir: pathlib.Path, out: pathlib.Path,
            final: pathlib.Path, data_dir, drafters, backends, min_gain, dcut, max_tokens, export,
            weights) -> dict:
-    from angelspec.builders.backend import choose, use_backend
-
     data = pathlib.Path(data_dir) if data_dir else None
     # every input is checked before the first expensive step
     if data is not None and not (data / "prompts.jsonl").exists():
@@ -243,7 +223,6 @@ def _build(target_dir: pathlib.Path, drafts_dir: pathlib.Path, out: pathlib.Path
         "fingerprint": fingerprint(backend["chosen"], target.model.weights),
     }
     if export == "trtllm":
-        from angelspec.builders.trtllm import export as export_trtllm
         manifest["exported"] = {"trtllm": export_trtllm(out, out / "trtllm", manifest,
                                                                 final=final / "trtllm")}
     manifest["files"] = {str(f.relative_to(out)): sha256(f) for f in sorted(out.rglob("*"))

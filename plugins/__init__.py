@@ -1,8 +1,7 @@
 """AngelSpec's custom ops, registered with torch.library in the `angelspec` namespace.
 
-Model kernels (C++, csrc/; compiled on first import with torch's cpp_extension + ninja, ~1 min
-once, into a per-user cache): skinny_linear, amx_linear (+ amx_pack), cached_attention, rms_norm,
-rope_, silu_mul.
+Model kernels (C++, csrc/; compiled when AngelSpec is installed, see build.py): skinny_linear,
+amx_linear (+ amx_pack), cached_attention, rms_norm, rope_, silu_mul.
 System ops (PyTorch, one implementation of each rule): verify_greedy, verify_rejection,
 dcut_select, dfly_draft_head. Every op has a fake implementation (torch.compile / torch.export).
 """

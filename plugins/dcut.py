@@ -1,5 +1,5 @@
 """D-cut (`angelspec::dcut_select`): how many of a batch's draft tokens one step verifies
-(ALGORITHMS.md section 3).
+(docs/algorithms.md, section 3).
 
 Survival s_{i,k} = prod_{t<=k} c_{i,t} estimates P(request i's first k drafts are all accepted).
 For each keep ratio rho (0, 0.25, 0.5, 0.75, 1), K = ceil(rho * sum_i D_i) and the GLOBAL top-K survivals are kept

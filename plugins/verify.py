@@ -62,7 +62,7 @@ def verify_rejection(probs: Tensor, draft: Tensor, lengths: Tensor,
     distributed exactly as the target's.
 
     probs [N, V]: the target's distribution at every row (after temperature/top-k/top-p);
-    uniforms [N]: one per row. With q one-hot at the draft token, ALGORITHMS.md section 0's rule
+    uniforms [N]: one per row. With q one-hot at the draft token, the rule of docs/algorithms.md (section 0)
     (accept with probability min(1, p/q), else sample max(p - q, 0)) is "accept iff the target's
     own sample equals the draft"; here the target's own sample at row r is the inverse-CDF draw
     of probs[r] at uniforms[r]. So the committed tokens are exactly those of sampling the target

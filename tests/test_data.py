@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from angelspec.bench import load_prompts
-from angelspec.plugins import amx_available
-from angelspec.runtime import Engine, Request, SamplingParams
 from angelspec.model import Segment
+from angelspec.plugins import amx_available
+from angelspec.prompts import load_prompts
+from angelspec.runtime import Engine, Request, SamplingParams
 from angelspec.training import data
 from angelspec.training.data import DOMAINS, Sequences, build
 from angelspec.training.sources import held_out, prompts

@@ -4,13 +4,13 @@ import time
 
 import pytest
 import torch
+from test_lossless import NoisyOracle, autoregressive, prompts
 
 from angelspec.drafters import Drafter, Proposal
 from angelspec.runtime import Engine, Request, SamplingParams
 from angelspec.runtime.cost import CostTable, fingerprint, profile
 from angelspec.runtime.gate import DraftGate
-from angelspec.runtime.router import DomainClassifier, DrafterEvidence, RouteState, Router, contenders
-from test_lossless import NoisyOracle, autoregressive, prompts
+from angelspec.runtime.router import DomainClassifier, DrafterEvidence, Router, RouteState, contenders
 
 
 def table(per_token: float) -> CostTable:
@@ -42,11 +42,11 @@ def test_dcut_is_lossless_and_cuts_when_tokens_are_dear(tiny, per_token, batch):
     out = eng.generate([Request(p, SamplingParams(max_new_tokens=30), "oracle") for p in ps])
     assert [r.tokens for r in out] == ref
     # the real forwards calibrate the table, per number of requests in a forward
-    assert batch in eng.fwd_offset and set(eng.fwd_offset) <= set(range(1, batch + 1))
+    assert batch in eng.hooks.fwd_offset and set(eng.hooks.fwd_offset) <= set(range(1, batch + 1))
     if per_token == 0.0:  # verifying is free: nothing is cut
-        assert eng.dcut_kept == eng.dcut_drafted
+        assert eng.stats.dcut_kept == eng.stats.dcut_drafted
     if per_token == 0.05:  # a token costs more than a 0.7-confidence draft brings
-        assert eng.dcut_kept < 0.5 * eng.dcut_drafted
+        assert eng.stats.dcut_kept < 0.5 * eng.stats.dcut_drafted
 
 
 def test_gate_sits_out_a_drafter_that_costs_more_than_it_brings_and_probes_it():

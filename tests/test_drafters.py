@@ -3,6 +3,7 @@ the AR head at initialisation, training equals serving, checkpoints, and lossles
 the ngram drafter's datastore."""
 import pytest
 import torch
+from conftest import make_checkpoint
 
 from angelspec.checkpoint import CheckpointError, load_target
 from angelspec.drafters import make_drafter
@@ -14,9 +15,7 @@ from angelspec.drafters.target_layers import dfly_layers
 from angelspec.model import Segment
 from angelspec.runtime import Engine, Request, SamplingParams
 from angelspec.runtime.engine import RequestState
-from angelspec.training.objectives import (accepted_at, block_hidden, greedy_chain, rollout,
-                                          ttt_rollout, walk)
-from conftest import make_checkpoint
+from angelspec.training.objectives import accepted_at, block_hidden, greedy_chain, rollout, ttt_rollout, walk
 
 
 @pytest.fixture(scope="module")

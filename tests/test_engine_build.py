@@ -5,6 +5,8 @@ import shutil
 
 import pytest
 import torch
+from conftest import make_checkpoint
+from test_drafters import draft
 
 from angelspec.builders.build import build
 from angelspec.checkpoint import load_target
@@ -13,8 +15,6 @@ from angelspec.drafters.draft_checkpoint import save_draft
 from angelspec.plugins import amx_available
 from angelspec.runtime import Engine, Request, SamplingParams
 from angelspec.runtime.engine_dir import EngineError, load_engine, read_manifest, sha256
-from conftest import make_checkpoint
-from test_drafters import draft
 
 
 @pytest.fixture(scope="module")
@@ -218,7 +218,8 @@ def test_bench_cli_with_engine_concurrency_dcut_and_auto(parts, tmp_path):
 
 
 def test_bench_sampled_checks_every_drafter_against_the_seeded_ar_sample(parts):
-    from angelspec.bench import bench, load_prompts
+    from angelspec.bench.speed import bench
+    from angelspec.prompts import load_prompts
 
     root, _, _ = parts
     prompts = load_prompts(root / "data" / "heldout.jsonl")
@@ -287,9 +288,11 @@ def pathlib_exists(p):
 def test_compiled_backend_is_measured_and_stays_lossless(tmp_path):
     """torch.compile over the C++ ops (through their fake kernels): the build's measurement
     reports bit-identical logits, and an engine on the compiled forward decodes exactly as eager."""
-    from angelspec.builders.backend import choose, use_backend
     from conftest import tiny_target
     from test_lossless import NoisyOracle, autoregressive, prompts
+
+    from angelspec.builders.backend import choose
+    from angelspec.runtime.backend import use_backend
 
     target = tiny_target(tmp_path / "t")
     report = choose(target.model, ("eager", "inductor"))

@@ -90,8 +90,9 @@ def test_amx_linear_is_row_exact_and_sums_bf16_products_in_float32():
 def test_bf16_weights_serve_losslessly_and_the_checkpoint_unchanged(tmp_path):
     """A model whose weights are bf16 values serves them exactly (pack_bf16 rounds nothing), and
     greedy speculative decoding with packed weights equals packed batch-1 decoding."""
-    from angelspec.runtime import Engine, Request, SamplingParams
     from conftest import tiny_target
+
+    from angelspec.runtime import Engine, Request, SamplingParams
 
     target = tiny_target(tmp_path, vocab_size=96, eos_token_id=95)
     m = target.model

@@ -3,10 +3,10 @@ import json
 
 import pytest
 import torch
+from conftest import make_checkpoint
 
 from angelspec.checkpoint import CheckpointError, load_target, read_config, read_weights
 from angelspec.model import Llama, Segment
-from conftest import make_checkpoint
 
 VARIANTS = {
     "llama_tied": dict(arch="llama"),

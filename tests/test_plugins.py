@@ -141,8 +141,9 @@ def test_dcut_follows_the_cost_curve():
 
 
 def test_dfly_draft_head_is_the_greedy_chain():
-    from angelspec.drafters.modules import SwiGLU
     import torch.nn.functional as F
+
+    from angelspec.drafters.modules import SwiGLU
 
     h, v, vd = 16, 50, 20
     embed, lm = torch.randn(v, h, generator=G), torch.randn(vd, h, generator=G)

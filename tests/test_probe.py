@@ -8,10 +8,10 @@ ANGELSPEC_PROBE_ENGINE=engines/default.
 """
 import concurrent.futures
 import json
-import re
 import os
 import pathlib
 import queue
+import re
 import socket
 import subprocess
 import time
@@ -19,13 +19,14 @@ import urllib.request
 
 import numpy as np
 import pytest
-
-from angelspec.builders import triton
-from angelspec.builders.build import build
-from angelspec.runtime.engine_dir import load_engine
-from angelspec.runtime import Request, SamplingParams
 from conftest import make_checkpoint
 from test_serving import generate, tensor
+
+from angelspec.builders.build import build
+from angelspec.runtime import Request, SamplingParams
+from angelspec.runtime.engine_dir import load_engine
+from angelspec.serving import triton
+from angelspec.serving.repo import write_repo
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 pytest.importorskip("pytriton")
@@ -50,7 +51,7 @@ def probe(tmp_path_factory):
         build(str(root / "target"), str(root / "drafts"), str(root / "engine"), str(root / "data"),
               backends=("eager",), max_tokens=16)
         engine = root / "engine"
-    repo = triton.write_repo(engine, root / "repo", max_batch=4, max_queue=4, max_len=4096)
+    repo = write_repo(engine, root / "repo", max_batch=4, max_queue=4, max_len=4096)
     ports = {"http": triton.free_port(), "grpc": triton.free_port(), "metrics": triton.free_port()}
     log = root / "server.log"
     proc = triton.start(repo, root / "triton", ports["http"], ports["grpc"], ports["metrics"],

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from angelspec.runtime import Engine, Request, SamplingParams
-from angelspec.runtime.sampling import position_uniforms, probs_from_logits
 from angelspec.runtime.verify import verify_greedy, verify_rejection
+from angelspec.sampling import position_uniforms, probs_from_logits
 
 N = 60_000
 

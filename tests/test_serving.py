@@ -15,15 +15,16 @@ import warnings
 
 import numpy as np
 import pytest
+from conftest import make_checkpoint
+from test_drafters import draft
 
-from angelspec.builders import triton
 from angelspec.builders.build import build
 from angelspec.checkpoint import load_target
 from angelspec.drafters.draft_checkpoint import save_draft
 from angelspec.runtime import Request, SamplingParams
 from angelspec.runtime.engine_dir import load_engine
-from conftest import make_checkpoint
-from test_drafters import draft
+from angelspec.serving import triton
+from angelspec.serving.repo import write_repo
 
 pytest.importorskip("pytriton")
 grpcclient = pytest.importorskip("tritonclient.grpc")
@@ -43,7 +44,7 @@ def server(tmp_path_factory):
     (root / "data" / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     build(str(root / "target"), str(root / "drafts"), str(root / "engine"), str(root / "data"),
           backends=("eager",), max_tokens=16)
-    repo = triton.write_repo(root / "engine", root / "repo", max_batch=2, max_queue=2,
+    repo = write_repo(root / "engine", root / "repo", max_batch=2, max_queue=2,
                              request_timeout_s=20)
     ports = {"http": triton.free_port(), "grpc": triton.free_port(), "metrics": triton.free_port()}
     log = root / "server.log"
@@ -263,7 +264,7 @@ def test_a_request_past_its_timeout_is_ended_and_frees_its_slot(server):
 def test_soak_many_streaming_clients_no_errors_no_leaks(server):
     """The soak of `make soak` (32 clients, 30 s, default engine), small: as many clients as the
     server admits, a few seconds."""
-    from angelspec.perf import soak
+    from angelspec.bench.soak import soak
 
     r = soak(server["grpc"], server["metrics"], server["pid"], ["hello there", "def f(x):", "12 * 7 = ?"],
              clients=4, seconds=6, max_tokens=24)

@@ -6,12 +6,12 @@ import subprocess
 import sys
 
 import pytest
+from conftest import make_checkpoint
 
 from angelspec.checkpoint import load_target
 from angelspec.drafters.draft_checkpoint import load_draft
 from angelspec.training.data import build
 from angelspec.training.train import load_recipe, train, use_bf16
-from conftest import make_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -31,13 +31,17 @@ from collections import Counter
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from tqdm import tqdm
 
 from angelspec.checkpoint import Target
-from angelspec.runtime.engine import Engine, Request  # before angelspec.drafters (import cycle)
-from angelspec.runtime.sampling import SamplingParams
+from angelspec.default_target import load_target_or_default
 from angelspec.drafters.target_layers import training_layers
 from angelspec.model import Segment
-from angelspec.training.sources import HELDOUT_EVERY, held_out, prompts as draw_prompts
+from angelspec.runtime.backend import choose_weights
+from angelspec.runtime.engine import Engine, Request
+from angelspec.sampling import SamplingParams
+from angelspec.training.sources import HELDOUT_EVERY, held_out
+from angelspec.training.sources import prompts as draw_prompts
 
 FORMAT = 1
 DOMAINS = ("chat", "code", "math")
@@ -143,8 +147,6 @@ def teacher_ids(model, h_last: torch.Tensor, chunk: int = 2048) -> torch.Tensor:
 def ensure_teachers(out_dir, target: Target, progress: bool = True) -> None:
     """Write teacher-*.safetensors for every shard that lacks it (folders made before it
     existed, or shards written by an older build)."""
-    from tqdm import tqdm
-
     out = pathlib.Path(out_dir)
     m = json.loads((out / "manifest.json").read_text())
     last = f"layer_{target.config.num_layers}"
@@ -193,9 +195,6 @@ def build(target: Target, out_dir, counts: dict[str, int], heldout: int, max_new
     """Build (or resume) a data folder; returns the manifest. weights: the dtype of the target's
     matmul weights (auto: as `angelspec build` will serve them; the caller's target is left
     as it is)."""
-    from tqdm import tqdm
-
-    from angelspec.builders.build import choose_weights
 
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -352,9 +351,8 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from angelspec.cli import _target
 
-    m = build(_target(args.target), args.out, {d: getattr(args, d) for d in DOMAINS},
+    m = build(load_target_or_default(args.target), args.out, {d: getattr(args, d) for d in DOMAINS},
               args.heldout, args.max_new_tokens, args.max_prompt_tokens, args.batch_size,
               args.temperature, args.seed, args.shard_size, weights=args.weights)
     t = m["totals"]

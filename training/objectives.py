@@ -75,7 +75,7 @@ def label_bases(label_ok: torch.Tensor, steps: int):
 
 def ttt_rollout(model, fz: Frozen, tokens, label_ok, feats, steps: int = 4, draft_len: int = 3,
                 labels=None):
-    """MTP loss (ALGORITHMS.md section 1): the label of step k at base i is always t[i+k+1],
+    """MTP loss (docs/algorithms.md, section 1): the label of step k at base i is always t[i+k+1],
     even after the draft's own tokens diverged; the loss is the mean of the step losses.
     `labels` [S, T]: the target's token at each position (default: `tokens`)."""
     T = tokens.shape[1]

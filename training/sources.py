@@ -16,6 +16,8 @@ import re
 import sysconfig
 import zlib
 
+from angelspec.prompts import DEFAULT_PROMPTS
+
 MAX_CHARS = 1200
 MATH_TASKS = ("basic_arithmetic", "chain_sum", "decimal_chain_sum", "fraction_simplification",
               "simple_equations", "polynomial_multiplication", "polynomial_equations",
@@ -60,8 +62,6 @@ def held_out(prompt: str) -> bool:
 
 
 def _bench_prompts() -> set[str]:
-    from angelspec.bench import DEFAULT_PROMPTS
-
     f = pathlib.Path(DEFAULT_PROMPTS)
     if not f.exists():
         return set()

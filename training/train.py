@@ -18,14 +18,18 @@ import time
 import torch
 import torch.distributed as dist
 import yaml
+from tqdm import tqdm
 
+from angelspec.default_target import load_target_or_default
+from angelspec.drafters import Datastore
 from angelspec.drafters.dfly import DFly
 from angelspec.drafters.draft_checkpoint import DraftConfig, load_draft, save_draft
 from angelspec.drafters.modules import Frozen
 from angelspec.drafters.mtp import MTP
 from angelspec.drafters.target_layers import dfly_layers, mtp_layers
-from angelspec.training.objectives import (accepted_at, block_objective, cosine_lr, sample_anchors,
-                                          ttt_rollout, walk)
+from angelspec.plugins import amx_available
+from angelspec.training.data import DOMAINS, Sequences, ensure_teachers, load, target_hash
+from angelspec.training.objectives import accepted_at, block_objective, cosine_lr, sample_anchors, ttt_rollout, walk
 
 RECIPES = pathlib.Path(__file__).with_name("recipes")
 MODELS = {"mtp": MTP, "dfly": DFly, "dflash": DFly}
@@ -144,7 +148,6 @@ def use_bf16(autocast: str) -> bool:
     if autocast not in ("auto", "bf16", "none"):
         raise ValueError(f"autocast={autocast!r}: auto, bf16 or none")
     if autocast == "auto":
-        from angelspec.plugins import amx_available
         return amx_available()
     return autocast == "bf16"
 
@@ -217,10 +220,6 @@ def evaluate(model, fz, recipe, seqs, indices, layers) -> dict:
 def build_datastore(recipe: dict, target, progress: bool = True) -> dict:
     """The ngram drafter's datastore from the target's responses in the data folder (each from
     its prompt's last token on, so a response's opening is keyed by the chat template's end)."""
-    from tqdm import tqdm
-
-    from angelspec.drafters import Datastore
-    from angelspec.training.data import DOMAINS, load, target_hash
 
     manifest, shards = load(recipe["data"], layers=[])
     if manifest["target_hash"] != target_hash(target):
@@ -246,12 +245,8 @@ def train(recipe: dict, target, progress: bool = True, restart: bool = False,
           only_eval: bool = False) -> dict:
     """Train (or resume) the recipe's draft; only_eval: the held-out metrics of the draft saved
     in the recipe's `out`, nothing trained."""
-    from tqdm import tqdm
-
     if recipe["kind"] == "ngram":
         return build_datastore(recipe, target, progress)
-
-    from angelspec.training.data import DOMAINS, Sequences, ensure_teachers
 
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     if world > 1 and not dist.is_initialized():
@@ -400,13 +395,12 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from angelspec.cli import _target
 
     recipe = load_recipe(args.recipe, args.preset, args.overrides)
     if args.show:
         print(yaml.safe_dump(recipe, sort_keys=False))
         return 0
-    result = train(recipe, _target(args.target), restart=args.restart, only_eval=args.eval)
+    result = train(recipe, load_target_or_default(args.target), restart=args.restart, only_eval=args.eval)
     if int(os.environ.get("RANK", 0)) == 0:
         print(json.dumps(result))
     return 0

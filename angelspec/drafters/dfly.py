@@ -1,4 +1,4 @@
-"""DFly and its baseline DFlash (ALGORITHMS.md section 2): a block-diffusion draft that fills
+"""DFly and its baseline DFlash (docs/algorithms.md, section 2): a block-diffusion draft that fills
 [anchor, MASK, ..., MASK] in one parallel pass, conditioned on evenly spaced target layers.
 
 Each draft layer attends over [context features ; block] with ONE k/v projection, bidirectionally

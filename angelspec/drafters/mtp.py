@@ -1,4 +1,4 @@
-"""MTP drafter (ALGORITHMS.md section 1): one decoder layer of the target's architecture over a
+"""MTP drafter (docs/algorithms.md, section 1): one decoder layer of the target's architecture over a
 DeepSeek-V3 style fusion of the next token's embedding and the target's last hidden state.
 Drafting D tokens applies the layer D times, its own output hidden state and token standing in
 for the target's from the second step on. Embedding, final norm and lm_head are the target's."""

@@ -10,6 +10,7 @@ import torch
 from angelspec.drafters.base import Drafter, Proposal
 from angelspec.drafters.draft_checkpoint import DraftConfig, load_draft
 from angelspec.drafters.modules import Frozen
+from angelspec.sampling import probs_from_logits
 
 
 class GrowingKV:
@@ -37,8 +38,6 @@ def choose(logits: torch.Tensor, ids: torch.Tensor, state) -> tuple[torch.Tensor
     confidence [n]): the argmax, and the draft's probability of it under the request's
     sampling (greedy: plain softmax; sampling: after its temperature/top-k/top-p, the chance that
     the target's own sample is that token, if the draft were the target)."""
-    from angelspec.runtime.sampling import probs_from_logits  # runtime imports drafters
-
     ids = ids.expand(logits.shape)
     if state.params.greedy:
         probs = torch.softmax(logits.float(), -1)

@@ -2,7 +2,7 @@
 load_engine("engines/default") for a built engine (drafts, router, D-cut profile, backend)."""
 from angelspec.runtime.engine import Engine, Event, Request, RequestState, Result, Stats
 from angelspec.runtime.engine_dir import EngineError, load_engine
-from angelspec.runtime.sampling import SamplingParams
+from angelspec.sampling import SamplingParams
 
 __all__ = ["Engine", "EngineError", "Event", "Request", "RequestState", "Result", "SamplingParams",
            "Stats", "load_engine"]

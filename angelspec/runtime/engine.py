@@ -1,121 +1,32 @@
-"""The runtime: batched prefill + speculative steps over a static KV cache.
-
-One step for all active requests: each request's drafter proposes up to D tokens -> D-cut
-(optional) trims the batch's drafts against the measured verification cost -> the target
-verifies every request's [anchor + kept drafts] in ONE packed forward -> the longest accepted
-prefix + one bonus token are committed -> the cache keeps every committed token except the newest
-(the next step's anchor); positions written for rejected drafts are simply overwritten later.
-Autoregressive decoding is the same step with empty drafts. A request whose drafter is `auto` is
-routed by the engine's Router (router.py), which may switch its drafter while it runs.
-"""
+"""The engine: requests in, tokens out, many at once over one static KV cache. It keeps the
+slots, admission (every request validated up front), packed prompt prefill and streaming; each
+step runs step.py's speculative step for every active request (hooks.py: the gate, the router,
+timing). A request whose drafter is `auto` is routed by the engine's Router (router.py), which
+may switch its drafter while it runs."""
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
 
 from angelspec.checkpoint import Target
-from angelspec.drafters import Drafter, Proposal, canonical, make_drafter, parse_spec
+from angelspec.drafters import Drafter, canonical, make_drafter, parse_spec
 from angelspec.model import Segment
-from angelspec.plugins import RATIOS, SKINNY_MAX_ROWS, dcut_select
+from angelspec.plugins import SKINNY_MAX_ROWS
 from angelspec.plugins.verify import sample_inverse_cdf
 from angelspec.runtime.cost import CostTable, profile
 from angelspec.runtime.gate import DraftGate
-from angelspec.runtime.router import RouteState, Router, route_cost
-from angelspec.runtime.sampling import SamplingParams, position_uniforms, probs_from_logits
+from angelspec.runtime.hooks import StepHooks
+from angelspec.runtime.request import DrafterView, Event, Request, RequestState, Result
+from angelspec.runtime.router import Router, route_cost
+from angelspec.runtime.stats import EngineStats, Stats
+from angelspec.runtime.step import speculative_step
 from angelspec.runtime.threads import ThreadGovernor
-from angelspec.runtime.verify import verify_batch
+from angelspec.sampling import SamplingParams, probs_from_logits
 
-
-@dataclass
-class Request:
-    prompt_ids: list[int]
-    params: SamplingParams = field(default_factory=SamplingParams)
-    drafter: str = "none"
-
-
-@dataclass
-class Stats:
-    steps: int = 0  # target verification forwards after prefill
-    drafted: int = 0
-    accepted: int = 0
-    committed: int = 0  # tokens committed by those steps (accepted + bonus)
-
-    @property
-    def accept_len(self) -> float:
-        """Mean tokens committed per verification step (tau)."""
-        return self.committed / self.steps if self.steps else 0.0
-
-
-@dataclass
-class RequestState:
-    index: int
-    tokens: list[int]
-    n_prompt: int
-    params: SamplingParams
-    drafter: str  # the drafter drafting now (for `auto`, the router's current choice)
-    seed: int | None  # sampling: the request's seed (drawn at random when it gave none)
-    stats: Stats = field(default_factory=Stats)
-    slot: int = -1
-    finish_reason: str | None = None  # stop, length, or error (then `error` says why)
-    error: str | None = None
-    route: RouteState | None = None  # set when the request asked for `auto`
-    views: dict = field(default_factory=dict)  # drafter name -> DrafterView
-
-    @property
-    def cache_len(self) -> int:
-        return len(self.tokens) - 1
-
-    @property
-    def output(self) -> list[int]:
-        return self.tokens[self.n_prompt:]
-
-    def view(self, name: str) -> "DrafterView":
-        if name not in self.views:
-            self.views[name] = DrafterView(self)
-        return self.views[name]
-
-    def uniforms(self, n: int) -> torch.Tensor:
-        """Sampling: the uniforms of the next n positions (a function of seed and position)."""
-        return position_uniforms(self.seed, len(self.tokens), n)
-
-
-class DrafterView:
-    """What a drafter sees of a request: its tokens, params and stats, and a state of its own
-    (a routed request keeps one per candidate drafter)."""
-
-    def __init__(self, req: RequestState):
-        self.req, self.drafter_state = req, {}
-
-    def __getattr__(self, name):  # tokens, params, stats, n_prompt, ... of the request
-        return getattr(self.req, name)
-
-
-@dataclass
-class Event:
-    """Tokens committed for request `index` and its running `stats`; its last event has
-    `finish_reason`, the drafter used (for `auto`: the one that drafted most steps) and the
-    router's switches; `error` when finish_reason is "error" (that request failed alone)."""
-    index: int
-    tokens: list[int]
-    finish_reason: str | None = None
-    stats: Stats | None = None
-    drafter: str | None = None
-    switches: list | None = None
-    error: str | None = None
-
-
-@dataclass
-class Result:
-    tokens: list[int]
-    finish_reason: str
-    stats: Stats
-    drafter: str  # for `auto`: the drafter that drafted most of its steps
-    switches: list = field(default_factory=list)  # `auto`: (step, from, to)
-    error: str | None = None  # finish_reason "error": what failed
+__all__ = ["DrafterView", "Engine", "Event", "Request", "RequestState", "Result", "Stats"]
 
 
 class Engine:
@@ -151,14 +62,8 @@ class Engine:
         # engine really gets (threads.py)
         self.governor = ThreadGovernor() if cost is not None and adapt_threads else None
         self.router = router
-        self.prefill_time = 0.0  # seconds spent in prompt forwards (benchmarks separate decoding)
-        self.steps = 0  # verification forwards run (one serves every active request)
-        self.t_fixed = 0.0  # EMA of a step's time outside drafting and the forward (D-cut's T_fixed)
-        # requests in a forward -> EMA of (its measured time - C_B(its tokens)): the profile ran
-        # at one context length and one moment, while requests' contexts differ and the machine
-        # drifts; D-cut and the gate weigh draft tokens against C_B(n) + this offset
-        self.fwd_offset: dict[int, float] = {}
-        self.dcut_drafted = self.dcut_kept = 0  # draft tokens proposed / kept by D-cut
+        self.stats = EngineStats()
+        self.hooks = StepHooks(self)  # around every step: the gate, the router, timing
         self._available: dict[str, bool] = {}
         self.pending: deque[RequestState] = deque()  # admitted, waiting for a slot
         self.active: list[RequestState] = []  # holding a slot, decoding
@@ -313,7 +218,7 @@ class Engine:
                 else:
                     self.active.append(s)
         if self.active:
-            events += [self._event(s, new) for s, new in self._step(self.active)]
+            events += [self._event(s, new) for s, new in speculative_step(self, self.active)]
             for s in [s for s in self.active if s.finish_reason]:
                 self.active.remove(s)
                 self._release(s)
@@ -336,22 +241,17 @@ class Engine:
         s.slot = -1
 
     # -- the work -----------------------------------------------------------------------------
-    def _capture(self, states) -> tuple[int, ...]:
+    def capture(self, states) -> tuple[int, ...]:
         return tuple(sorted({i for s in states for n in self.attached(s)
                              for i in self.drafters[n].capture}))
 
-    def _on_commit(self, s: RequestState, hidden: dict, start: int, end: int) -> None:
+    def feed_drafters(self, s: RequestState, hidden: dict, start: int, end: int) -> None:
         for name in self.attached(s):
             d = self.drafters[name]
             try:
                 d.on_commit(s.view(name), {l: hidden[l][start:end] for l in d.capture})
             except Exception as exc:  # noqa: BLE001 - this request fails, the batch goes on
-                self._fail(s, name, exc)
-
-    @staticmethod
-    def _fail(s: RequestState, drafter: str, exc: Exception) -> None:
-        """End request s with an error of its drafter's; the other requests are not touched."""
-        s.finish_reason, s.error = "error", f"drafter {drafter} failed: {type(exc).__name__}: {exc}"
+                s.fail(name, exc)
 
     def _prefill_group(self, pending: deque, free: list[int]) -> list[RequestState]:
         """Next prompts to prefill in one packed forward. Packing stays within the row-exact
@@ -377,12 +277,12 @@ class Engine:
         t0 = time.perf_counter()
         logits, hidden = self.model.forward(torch.tensor([t for s in group for t in s.tokens]),
                                             batch, self.cache, logit_rows=last,
-                                            capture=self._capture(group))
-        self.prefill_time += time.perf_counter() - t0
+                                            capture=self.capture(group))
+        self.stats.prefill_time += time.perf_counter() - t0
         out, start = [], 0
         for i, (s, n) in enumerate(zip(group, lengths)):
-            new = self._commit(s, [self._sample_one(logits[i], s)])
-            self._on_commit(s, hidden, start, start + n)
+            new = self.commit(s, [self._sample_one(logits[i], s)])
+            self.feed_drafters(s, hidden, start, start + n)
             out.append(new)
             start += n
         return out
@@ -392,143 +292,13 @@ class Engine:
             return int(logits.argmax())
         return int(sample_inverse_cdf(probs_from_logits(logits[None], s.params), s.uniforms(1)))
 
-    def _propose(self, active: list[RequestState], names: list[str],
-                 shadow: bool = False) -> tuple[list[Proposal], dict]:
-        """One proposal per request from drafter names[i] (grouped: one call per drafter), and
-        the seconds each drafter took. A drafter that raises fails its requests (a shadow
-        draft for routing only loses its say)."""
-        props: list[Proposal | None] = [None] * len(active)
-        spent: dict[str, float] = {}
-        groups: dict[str, list[int]] = {}
-        for i, name in enumerate(names):
-            groups.setdefault(name, []).append(i)
-        for name, idx in groups.items():
-            t0 = time.perf_counter()
-            views = [active[i].view(name) for i in idx]
-            try:
-                for i, p in zip(idx, self.drafter(name).propose(views), strict=True):
-                    props[i] = p
-            except Exception as exc:  # noqa: BLE001 - these requests fail, the batch goes on
-                for i in idx:
-                    if not shadow:
-                        self._fail(active[i], name, exc)
-                    props[i] = Proposal.empty()
-            spent[name] = time.perf_counter() - t0
-            if self.router is not None:
-                self.router.note_draft_time(name, spent[name] / len(idx))
-        return [p.clip(self._room(s)) for s, p in zip(active, props)], spent
-
-    def _room(self, s: RequestState) -> int:
-        """Draft tokens request s can still use: never past its token budget or the cache (the
-        bonus token always comes)."""
-        return max(min(s.params.max_new_tokens - len(s.output), self.max_len - len(s.tokens)) - 1, 0)
-
-    def _curve(self, batch: int):
+    def curve(self, batch: int):
         """C_B(n) for a forward over `batch` requests: (n, seconds) tensors and a function."""
         if batch not in self._curves:
             self._curves[batch] = (self.cost.tensors(batch), route_cost(self.cost, batch))
         return self._curves[batch]
 
-    def _cut(self, props: list[Proposal], t_draft: float, t_fixed: float) -> list[Proposal]:
-        """D-cut over the batch's drafts; without it, only the row limit of lossless kernels."""
-        lengths = torch.tensor([len(p.tokens) for p in props], dtype=torch.long)
-        total = int(lengths.sum())
-        if self.dcut and total:
-            _, keep = dcut_select(torch.cat([p.confidence for p in props]).double(), lengths,
-                                  t_draft, t_fixed, *self._curve(len(props))[0],
-                                  torch.tensor(RATIOS, dtype=torch.float64))
-            self.dcut_drafted += total
-            self.dcut_kept += int(keep.sum())
-            props = [p.clip(int(k)) for p, k in zip(props, keep)]
-            lengths = keep
-        # one forward verifies at most SKINNY_MAX_ROWS tokens (row-exact kernels: lossless)
-        while int(lengths.sum()) + len(props) > SKINNY_MAX_ROWS:
-            i = int(lengths.argmax())
-            lengths[i] -= 1
-            props[i] = props[i].clip(int(lengths[i]))
-        return props
-
-    def _step(self, active: list[RequestState]) -> list[tuple[RequestState, list[int]]]:
-        self.steps += 1
-        t_step = time.perf_counter()
-        # a request on its last token does not draft (nor tell the gate its drafter brought 0)
-        names = [s.drafter if self._room(s) else "none" for s in active]
-        gate = self.gate if self.dcut else None  # D-cut off: fixed draft lengths
-        t_fixed = max(self.t_fixed + self.fwd_offset.get(len(active), 0.0), 0.0)
-        # C_B(n) of this step's B requests, for the gate, the router and the calibration offset
-        curve = self._curve(len(active))[1] if self.cost is not None else None
-        if gate is not None:
-            names = gate.plan(self.steps, names, t_fixed, curve)
-        props, drafting = self._propose(active, names)
-        failed = [(s, []) for s in active if s.finish_reason == "error"]
-        if failed:  # a drafter raised: its requests end with that error, the others step on
-            keep = [i for i, s in enumerate(active) if s.finish_reason != "error"]
-            active, names, props = [active[i] for i in keep], [names[i] for i in keep], \
-                [props[i] for i in keep]
-            drafting = {n: t for n, t in drafting.items() if n in names}
-            if not active:
-                return failed
-        shadow = {}  # routed requests: one other candidate drafts too, every few steps
-        for i, s in enumerate(active):
-            if s.route is not None:
-                name = self.router.shadow_due(s.route, s.drafter, self.available, curve)
-                if name:
-                    shadow[i] = name
-        if shadow:
-            idx = list(shadow)
-            for i, p in zip(idx, self._propose([active[i] for i in idx], [shadow[i] for i in idx],
-                                               shadow=True)[0]):
-                self.router.record(active[i].route, shadow[i], len(active[i].tokens), p.tokens.tolist())
-        t_draft = time.perf_counter() - t_step
-        props = self._cut(props, t_draft, t_fixed)
-        tokens, segments = [], []
-        for s, p in zip(active, props):
-            tokens.append(torch.tensor([s.tokens[-1]]))
-            tokens.append(p.tokens)
-            segments.append(Segment(s.slot, s.cache_len, 1 + len(p.tokens)))
-        tokens = torch.cat(tokens)
-        t_fwd = time.perf_counter()
-        logits, hidden = self.model.forward(tokens, self.model.batch(segments),
-                                            self.cache, capture=self._capture(active))
-        t_fwd = time.perf_counter() - t_fwd
-        if curve is not None:
-            profiled = curve(len(tokens))
-            if self.governor is not None:
-                self.governor.observe(t_fwd, profiled)
-            off = t_fwd - profiled
-            old = self.fwd_offset.get(len(active))
-            self.fwd_offset[len(active)] = off if old is None else 0.8 * old + 0.2 * off
-        verdicts = verify_batch(logits, [p.tokens for p in props], [s.params for s in active],
-                                [None if s.params.greedy else s.uniforms(len(p.tokens) + 1)
-                                 for s, p in zip(active, props)])
-        out, row = [], 0
-        for s, p, (accepted, new) in zip(active, props, verdicts):
-            k = len(p.tokens)
-            s.stats.steps += 1
-            s.stats.drafted += k
-            s.stats.accepted += accepted
-            committed = self._commit(s, new)
-            s.stats.committed += len(committed)
-            self._on_commit(s, hidden, row, row + accepted + 1)
-            if s.route is not None:
-                s.route.used[s.drafter] = s.route.used.get(s.drafter, 0) + 1
-                s.drafter = self.router.observe(s.route, s.drafter, accepted, k, s.tokens, curve)
-            out.append((s, committed))
-            row += k + 1
-        out += failed
-        if gate is not None:
-            for name, seconds in drafting.items():
-                mine = [(len(p.tokens), v[0]) for n, p, v in zip(names, props, verdicts) if n == name]
-                gate.observe(name, len(mine), seconds, sum(k for k, _ in mine),
-                                  sum(a for _, a in mine))
-        total = time.perf_counter() - t_step
-        spent = total - t_draft - t_fwd
-        self.t_fixed = spent if self.steps == 1 else 0.9 * self.t_fixed + 0.1 * spent
-        if self.router is not None:
-            self.router.add_step(total, sum(len(c) for _, c in out), len(tokens))
-        return out
-
-    def _commit(self, s: RequestState, new: list[int]) -> list[int]:
+    def commit(self, s: RequestState, new: list[int]) -> list[int]:
         """Append tokens, cut at the first stop token or the length limit; set finish_reason."""
         p = s.params
         stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.target.eos_ids))

@@ -18,6 +18,13 @@ import sys
 
 from safetensors.torch import load_file
 
+from angelspec.checkpoint import load_target
+from angelspec.plugins import amx_available
+from angelspec.runtime.backend import use_backend
+from angelspec.runtime.cost import CostTable, fingerprint, profile
+from angelspec.runtime.engine import Engine
+from angelspec.runtime.router import DomainClassifier, Router
+
 FORMAT = 1
 MANIFEST = "engine.json"
 
@@ -94,12 +101,6 @@ def load_engine(path: str | pathlib.Path, max_batch: int = 8, max_len: int = 204
     """An Engine serving the folder's target, drafts, router, backend and D-cut profile. The cost
     table is re-profiled when this machine's fingerprint differs from the build machine's.
     `target`: the folder's target, if the caller has already loaded it (<path>/target)."""
-    from angelspec.checkpoint import load_target
-    from angelspec.plugins import amx_available
-    from angelspec.runtime.cost import CostTable, fingerprint, profile
-    from angelspec.runtime.engine import Engine
-    from angelspec.runtime.router import DomainClassifier, Router
-
     path = pathlib.Path(path)
     manifest = read_manifest(path, verify)
     if target is None:
@@ -112,7 +113,6 @@ def load_engine(path: str | pathlib.Path, max_batch: int = 8, max_len: int = 204
             print("angelspec: this CPU has no AMX-BF16 tiles; serving the engine's weights as "
                   "float32 (outputs can differ from the build machine's)", file=sys.stderr)
     if backend != "eager":  # before any re-profiling: the profile measures the served forward
-        from angelspec.builders.backend import use_backend
         use_backend(target.model, backend)
     cost = CostTable.from_json(manifest["dcut"]["profile"])
     here = fingerprint(backend, target.model.weights)

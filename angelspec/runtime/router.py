@@ -1,4 +1,4 @@
-"""`auto` drafter routing (ALGORITHMS.md section 4): a domain classifier picks each request's
+"""`auto` drafter routing (docs/algorithms.md, section 4): a domain classifier picks each request's
 first drafter, then shadow drafting lets the evidence switch it.
 
 1. **Classifier.** Multinomial naive Bayes over the prompt's token ids (chat template included,
@@ -46,6 +46,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from angelspec.plugins import interpolate_cost
 
 DOMAINS = ("chat", "code", "math")
 DEFAULT_ROUTES = {"chat": "mtp", "code": "dfly", "math": "dfly"}
@@ -281,7 +283,6 @@ def route_cost(cost_table, batch: int | None = None):
     no table, verification counted as free."""
     if cost_table is None:
         return None
-    from angelspec.plugins import interpolate_cost
     n, t = cost_table.tensors(batch)
     top = int(n[-1]) + 1
     grid = interpolate_cost(torch.arange(top + 1, dtype=torch.float64), n, t).tolist()

@@ -1,4 +1,4 @@
-"""Acceptance of drafts against the target (ALGORITHMS.md section 0), through the batched ops
+"""Acceptance of drafts against the target (docs/algorithms.md, section 0), through the batched ops
 `angelspec::verify_greedy` and `angelspec::verify_rejection` (plugins/verify.py: the one
 implementation of each rule).
 
@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from angelspec.plugins import verify_greedy as _greedy_op, verify_rejection as _rejection_op
-from angelspec.runtime.sampling import probs_from_logits
+from angelspec.plugins import verify_greedy as _greedy_op
+from angelspec.plugins import verify_rejection as _rejection_op
+from angelspec.sampling import probs_from_logits
 
 
 def _result(draft: torch.Tensor, accepted: int, last: int) -> tuple[int, list[int]]:

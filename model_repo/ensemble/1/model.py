@@ -27,6 +27,9 @@ import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from angelspec.runtime import Request, SamplingParams, load_engine
+from angelspec.text import encode_chat, encode_stop_words
+
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # the inputs of config.pbtxt: Triton's HTTP generate endpoint turns any other JSON field into a
 # request parameter, which is refused by name
@@ -79,8 +82,6 @@ class Job:
 
 class TritonPythonModel:
     def initialize(self, args):
-        from angelspec.runtime import load_engine
-
         cfg = json.loads(args["model_config"])
         p = {k: v["string_value"] for k, v in cfg["parameters"].items()}
         self.max_batch = int(p["max_batch_size"])
@@ -152,9 +153,6 @@ class TritonPythonModel:
         """A request's fields -> (Request, stream). Text fields are checked here; every other
         value by the engine's own checks when it is admitted (the ones the CLI and the Python
         API meet)."""
-        from angelspec.runtime import Request, SamplingParams
-        from angelspec.text import encode_chat, encode_stop_words
-
         unknown = sorted(set(json.loads(request.parameters() or "{}")) - FIELDS)
         if unknown:
             raise ValueError(f"unknown field(s) {', '.join(unknown)[:200]}; the fields are "

@@ -18,6 +18,13 @@ import subprocess
 import time
 
 import numpy as np
+from tqdm import tqdm
+
+from angelspec.prompts import load_prompts
+from angelspec.runtime import Request, SamplingParams, load_engine
+from angelspec.serving import triton
+from angelspec.serving.client import inputs
+from angelspec.serving.repo import write_repo
 
 # requests per point: at least TURNS per client. The first wave's prefills queue (every client
 # starts at once) and the last wave drains below the concurrency; with two turns those edges were
@@ -29,12 +36,10 @@ FIELDS = ["dcut", "drafter", "concurrency", "requests", "output_tok_s", "ttft_p5
 
 def perf_analyzer_env(folder: pathlib.Path) -> dict:
     """perf_analyzer needs libb64.so.0d and libcudart.so.12, which nvidia-pytriton ships under
-    hashed names (ENVIRONMENT.md): link them into `folder` and put it on LD_LIBRARY_PATH."""
+    hashed names: link them into `folder` and put it on LD_LIBRARY_PATH."""
     import os
 
-    from angelspec.builders.triton import _pytriton
-
-    libs = _pytriton().parent / "nvidia_pytriton.libs"
+    libs = triton.pytriton_dir().parent / "nvidia_pytriton.libs"
     folder.mkdir(parents=True, exist_ok=True)
     for stem, name in (("libb64-", "libb64.so.0d"), ("libcudart-", "libcudart.so.12")):
         found = sorted(libs.glob(stem + "*"))
@@ -90,9 +95,7 @@ def summarize(export: pathlib.Path, count_tokens) -> dict:
 
 def server_counters(metrics_port: int) -> dict:
     """The engine's own counters from the metrics port: steps, step time, drafted, accepted."""
-    from angelspec.builders.triton import metrics
-
-    m = metrics(metrics_port)
+    m = triton.metrics(metrics_port)
     return {"steps": m.get("angelspec_steps_total", 0.0), "step_s": m.get("angelspec_step_seconds_total", 0.0),
             "drafted": m.get("angelspec_draft_tokens_total", 0.0),
             "accepted": m.get("angelspec_accepted_tokens_total", 0.0)}
@@ -124,8 +127,6 @@ def run_point(grpc_port: int, metrics_port: int, inputs: pathlib.Path, concurren
 def in_process(engine, ids: list[int], drafter: str, max_tokens: int, count_tokens) -> dict:
     """One request through the engine in this process, stepped exactly as the served model's
     worker steps it: output tokens (counted as for the served text), seconds, steps, step time."""
-    from angelspec.runtime import Request, SamplingParams
-
     steps, step_s, out, t0 = 0, 0.0, [], time.perf_counter()
     engine.submit(Request(ids, SamplingParams(max_new_tokens=max_tokens), drafter), 0)
     while engine.busy:
@@ -143,8 +144,6 @@ def in_process_load(engine, prompt_ids: list[list[int]], drafter: str, max_token
     """A served point's load replayed in this process: `requests` requests with `concurrency` in
     flight, the next one admitted before the step after one finishes (as the served worker admits
     what arrived while it stepped) -> the mean engine step in ms, to set beside the served one."""
-    from angelspec.runtime import Request, SamplingParams
-
     sent = open_ = steps = 0
     step_s = 0.0
     while sent < requests or engine.busy:
@@ -165,8 +164,6 @@ def served(client, results, metrics_port: int, prompt: str, drafter: str, max_to
     """One streamed request through the ensemble over gRPC (`client` streaming into the queue
     `results`): output tokens, seconds to the last response, and the engine's steps for it."""
     import tritonclient.grpc as grpcclient
-
-    from angelspec.client import inputs
 
     before = server_counters(metrics_port)
     text, t0 = [], time.perf_counter()
@@ -230,7 +227,8 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
             pts = sorted((r["concurrency"], r[p50], r[p99] if p99 else None) for r in rows
                          if r["drafter"] == drafter and r["dcut"] == dcut and r["concurrency"])
             label = drafter if drafter == "none" else f"{drafter}, D-cut {dcut}"
-            line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{label} p50" if p99 else label)
+            line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                            label=f"{label} p50" if p99 else label)
             if p99:
                 ax.plot([p[0] for p in pts], [p[2] for p in pts], ls="--", color=line.get_color(),
                         label=f"{label} p99")
@@ -267,11 +265,6 @@ def speedup_table(rows: list[dict]) -> str:
 def sweep(engine_dir: str, prompts: list[str], drafters: list[str], dcuts: list[str],
           concurrencies: list[int], max_tokens: int, out: pathlib.Path, min_requests: int,
           server_dir: str = "build/triton") -> dict:
-    from tqdm import tqdm
-
-    from angelspec.builders import triton
-    from angelspec.runtime import load_engine
-
     out.mkdir(parents=True, exist_ok=True)
     env = perf_analyzer_env(out / "libs")
     target = None  # the first engine's; later engines share it
@@ -281,7 +274,7 @@ def sweep(engine_dir: str, prompts: list[str], drafters: list[str], dcuts: list[
     bar = tqdm(total=sum(len(v) for v in served_by.values()) * len(concurrencies), desc="perf", unit="point")
     for dcut, mine in served_by.items():
         ports = {"http": triton.free_port(), "grpc": triton.free_port(), "metrics": triton.free_port()}
-        repo = triton.write_repo(engine_dir, out / f"repo-dcut-{dcut}", max_batch=max(concurrencies),
+        repo = write_repo(engine_dir, out / f"repo-dcut-{dcut}", max_batch=max(concurrencies),
                                  max_queue=max(concurrencies), dcut=dcut == "on")
         proc = triton.start(repo, server_dir, ports["http"], ports["grpc"], ports["metrics"],
                             log=out / f"server-dcut-{dcut}.log", record=False)
@@ -330,122 +323,6 @@ def sweep(engine_dir: str, prompts: list[str], drafters: list[str], dcuts: list[
     return result
 
 
-# -- soak: many streaming clients for a while ------------------------------------------------
-def server_rss_mb(pid: int) -> float:
-    """Resident memory of a server and everything in its process group (the backend stubs)."""
-    import os
-
-    pgid, total = os.getpgid(pid), 0
-    for d in pathlib.Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            if os.getpgid(int(d.name)) != pgid:
-                continue
-            status = (d / "status").read_text()
-        except (OSError, ProcessLookupError):
-            continue
-        total += next((int(l.split()[1]) for l in status.splitlines() if l.startswith("VmRSS:")), 0)
-    return total / 1024
-
-
-def soak(grpc_port: int, metrics_port: int, server_pid: int, prompts: list[str], clients: int = 32,
-         seconds: float = 30.0, max_tokens: int = 64, drafter: str | None = None) -> dict:
-    """`clients` streaming gRPC clients in a bounded loop for `seconds`: each sends a request,
-    reads its stream to the final response and sends the next. Returns the requests finished,
-    the errors, the engine's requests in flight afterwards (leaked slots) and the server's
-    memory after the first half and at the end."""
-    import queue
-    import threading
-
-    import tritonclient.grpc as grpc
-
-    from angelspec.client import inputs
-
-    deadline = time.time() + seconds
-    done, errors, lock = [0], [], threading.Lock()
-
-    def client(k: int) -> None:
-        results: queue.Queue = queue.Queue()
-        c = grpc.InferenceServerClient(f"127.0.0.1:{grpc_port}")
-        c.start_stream(callback=lambda result, error: results.put((result, error)))
-        i = k
-        while time.time() < deadline:
-            c.async_stream_infer("ensemble", inputs(grpc, prompts[i % len(prompts)], max_tokens, True,
-                                                    drafter, 0.0, None))
-            i += clients
-            while True:
-                try:
-                    result, error = results.get(timeout=300)
-                except queue.Empty:
-                    error = "no response for 300 s"
-                if error is not None:
-                    with lock:
-                        errors.append(str(error))
-                    break
-                if result.get_response().parameters["triton_final_response"].bool_param:
-                    with lock:
-                        done[0] += 1
-                    break
-        c.stop_stream()
-
-    threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
-    for t in threads:
-        t.start()
-    time.sleep(seconds / 2)
-    rss_mid = server_rss_mb(server_pid)
-    for t in threads:
-        t.join()
-    time.sleep(1.0)  # the final step's bookkeeping
-    from angelspec.builders.triton import metrics
-
-    m = metrics(metrics_port)
-    in_flight, steps = m.get("angelspec_requests_in_flight", 0.0), m.get("angelspec_steps_total", 0.0)
-    return {"clients": clients, "seconds": seconds, "requests": done[0], "errors": errors,
-            "in_flight_after": in_flight, "rss_mid_mb": round(rss_mid, 1),
-            "rss_end_mb": round(server_rss_mb(server_pid), 1), "engine_steps": steps}
-
-
-def add_soak_arguments(p) -> None:
-    p.add_argument("--engine", default="engines/default", help="engine folder (angelspec build)")
-    p.add_argument("--prompts", default="build/data/heldout.jsonl", help="prompts (JSONL)")
-    p.add_argument("--clients", type=int, default=32, help="concurrent streaming gRPC clients")
-    p.add_argument("--seconds", type=float, default=30.0, help="how long clients keep sending")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--drafter", default=None, help="default: the engine's (auto)")
-
-
-def run_soak(args) -> int:
-    from angelspec.bench import load_prompts
-    from angelspec.builders import triton
-
-    prompts = [r["prompt"] for r in load_prompts(args.prompts)]
-    ports = {"http": triton.free_port(), "grpc": triton.free_port(), "metrics": triton.free_port()}
-    out = pathlib.Path("build/soak")
-    out.mkdir(parents=True, exist_ok=True)
-    # the engine decodes up to 16 at once and queues the rest: all clients are admitted
-    repo = triton.write_repo(args.engine, out / "repo", max_batch=min(16, args.clients),
-                             max_queue=args.clients)
-    proc = triton.start(repo, "build/triton", ports["http"], ports["grpc"], ports["metrics"],
-                        log=out / "server.log", record=False)
-    try:
-        r = soak(ports["grpc"], ports["metrics"], proc.pid, prompts, args.clients, args.seconds,
-                 args.max_tokens, args.drafter)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
-    growth = r["rss_end_mb"] / r["rss_mid_mb"] - 1
-    print(f"{r['clients']} clients for {r['seconds']:.0f} s: {r['requests']} requests finished, "
-          f"{len(r['errors'])} errors, {r['in_flight_after']:.0f} requests in flight afterwards; "
-          f"server memory {r['rss_mid_mb']:.0f} MB halfway, {r['rss_end_mb']:.0f} MB at the end "
-          f"({growth:+.1%})")
-    for e in sorted(set(r["errors"]))[:5]:
-        print("  error:", e)
-    ok = not r["errors"] and r["in_flight_after"] == 0 and growth < 0.10
-    print("soak: " + ("passed" if ok else "FAILED"))
-    return 0 if ok else 1
-
-
 def add_arguments(p) -> None:
     p.add_argument("--engine", default="engines/default", help="engine folder (angelspec build)")
     p.add_argument("--prompts", default="build/data/heldout.jsonl",
@@ -461,8 +338,6 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from angelspec.bench import load_prompts
-
     rows = load_prompts(args.prompts, args.limit)
     by_domain: dict[str, list[str]] = {}
     for r in rows:

@@ -18,6 +18,9 @@ import time
 import torch
 from tqdm import tqdm
 
+from angelspec.runtime import Request, SamplingParams
+from angelspec.runtime.threads import ThreadGovernor
+
 CONFIGS = ("idle_fixed", "idle_adaptive", "busy_fixed", "busy_adaptive", "busy_one_thread")
 
 
@@ -30,9 +33,6 @@ def busy_processes(n: int) -> list[subprocess.Popen]:
 
 
 def contend(engine, ids: list[list[int]], drafters: list[str], n_busy: int, max_new: int = 64) -> dict:
-    from angelspec.runtime import Request, SamplingParams
-    from angelspec.runtime.threads import ThreadGovernor
-
     full = torch.get_num_threads()
     params = SamplingParams(max_new_tokens=max_new)
     tokens = {(d, c): 0 for d in drafters for c in CONFIGS}

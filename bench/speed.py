@@ -11,7 +11,6 @@ own token at each position is drawn with a uniform keyed by seed and position).
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import pathlib
 import platform
@@ -23,31 +22,13 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from angelspec.checkpoint import Target
+from angelspec.checkpoint import Target, load_target
 from angelspec.model import Segment
 from angelspec.runtime import Engine, Request, SamplingParams
+from angelspec.runtime.cost import profile
+from angelspec.runtime.engine_dir import load_engine
 
-DEFAULT_PROMPTS = pathlib.Path(__file__).with_name("data") / "prompts.jsonl"
 NEAR_TIE_EPS = 1e-4
-
-
-def load_prompts(path: str | pathlib.Path | None, limit: int | None = None) -> list[dict]:
-    """JSONL with `prompt` and `domain` per line; `limit` keeps the first N of each domain."""
-    path = pathlib.Path(path or DEFAULT_PROMPTS)
-    rows, seen = [], {}
-    for i, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        row = json.loads(line)
-        if not isinstance(row.get("prompt"), str) or not row["prompt"]:
-            raise ValueError(f"{path}:{i}: each line needs a non-empty string `prompt`")
-        row.setdefault("domain", "other")
-        seen[row["domain"]] = seen.get(row["domain"], 0) + 1
-        if limit is None or seen[row["domain"]] <= limit:
-            rows.append(row)
-    if not rows:
-        raise ValueError(f"{path}: no prompts")
-    return rows
 
 
 def cpu_model() -> str:
@@ -118,9 +99,9 @@ def run_engine_chunk(engine: Engine, run: Run, ids: list[list[int]], chunk: list
     params = [SamplingParams(max_new_tokens=max_new, **(dict(sampling, seed=i) if sampling else {}))
               for i in chunk]
     engine.dcut = run.dcut
-    t0, p0, s0 = time.perf_counter(), engine.prefill_time, engine.steps
+    t0, p0, s0 = time.perf_counter(), engine.stats.prefill_time, engine.stats.steps
     results = engine.generate([Request(ids[i], p, run.drafter) for i, p in zip(chunk, params)])
-    run.add(domain, time.perf_counter() - t0, engine.prefill_time - p0, engine.steps - s0)
+    run.add(domain, time.perf_counter() - t0, engine.stats.prefill_time - p0, engine.stats.steps - s0)
     for i, r in zip(chunk, results):
         run.outputs[i], run.steps[i], run.committed[i] = r.tokens, r.stats.steps, r.stats.committed
         run.used[i] = r.drafter
@@ -202,9 +183,6 @@ def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_n
     every batch runs that many times, drafters taking turns each time, and times add up (at high
     concurrency all prompts are one batch, so one round would time each drafter once, at a
     different moment of a noisy machine); temperature > 0: seeded sampling (top_p too)."""
-    from angelspec.runtime.cost import profile
-    from angelspec.runtime.engine_dir import load_engine
-
     names = [d.strip() for d in drafters if d.strip()]
     names = ["ar"] + [d for d in names if d != "ar"]  # ar is the speed and lossless reference
     modes = {"off": (False,), "on": (True,), "both": (False, True)}[dcut]
@@ -217,7 +195,6 @@ def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_n
                              "--drafters when sampling")
         eps = 0.0  # a sampled token follows the uniform, not the top-2 margin: no near-ties
     if engine_dir:
-        from angelspec.checkpoint import load_target
         target = load_target(pathlib.Path(engine_dir) / "target")
     ids = [target.encode_chat(p["prompt"]) for p in prompts]
     max_len = max(len(x) for x in ids) + max_new + 1
@@ -305,8 +282,8 @@ def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_n
             "kernel_isa": torch.backends.cpu.get_cpu_capability(),
             "torch": torch.__version__, "weight_mb": round(weight_bytes / 1e6, 1),
             "stream_bandwidth_gb_per_s": round(bandwidth, 2),
-            "dcut_kept_fraction": round(engine.dcut_kept / engine.dcut_drafted, 3)
-            if engine.dcut_drafted else None,
+            "dcut_kept_fraction": round(engine.stats.dcut_kept / engine.stats.dcut_drafted, 3)
+            if engine.stats.dcut_drafted else None,
         },
         "results": rows,
     }

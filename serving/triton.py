@@ -1,7 +1,7 @@
 """Triton Inference Server from the repo: install the server shipped in `nvidia-pytriton==0.7.0`
-into a project folder, fill the model repository templates (model_repo/) for an engine, start
-`tritonserver` on loopback and wait until it is ready, stop it (ENVIRONMENT.md, "Starting
-tritonserver"). Nothing here assumes a GPU."""
+into a project folder, start `tritonserver` on loopback and wait until it is ready, stop it, read
+its metrics. Nothing here assumes a GPU, and nothing here imports torch (`angelspec stop` is
+quick)."""
 from __future__ import annotations
 
 import importlib.util
@@ -11,18 +11,14 @@ import pathlib
 import shutil
 import signal
 import socket
-import string
 import subprocess
 import sys
 import sysconfig
 import time
 import urllib.request
 
-TEMPLATES = pathlib.Path(__file__).resolve().parents[1] / "model_repo"
-MODELS = ("ensemble",)
 
-
-def _pytriton() -> pathlib.Path:
+def pytriton_dir() -> pathlib.Path:
     spec = importlib.util.find_spec("pytriton")
     if spec is None:
         raise FileNotFoundError("nvidia-pytriton is not installed: pip install nvidia-pytriton==0.7.0 "
@@ -35,7 +31,7 @@ def install(dest: str | pathlib.Path = "build/triton") -> pathlib.Path:
     dest = pathlib.Path(dest)
     if (dest / "bin" / "tritonserver").exists():
         return dest
-    src = _pytriton() / "tritonserver"
+    src = pytriton_dir() / "tritonserver"
     for part in ("bin", "backends", "caches"):
         if (src / part).exists():
             shutil.copytree(src / part, dest / part, dirs_exist_ok=True)
@@ -46,48 +42,13 @@ def install(dest: str | pathlib.Path = "build/triton") -> pathlib.Path:
     return dest
 
 
-def write_repo(engine: str | pathlib.Path, out: str | pathlib.Path = "build/model_repo",
-               max_batch: int = 8, max_queue: int = 32, request_timeout_s: float = 300.0,
-               decoupled: bool = True, dcut: bool | None = None, max_len: int = 2048) -> pathlib.Path:
-    """Fill the templates in model_repo/ (never modified) into `out` for `engine`, verified
-    first (every file's checksum: a broken engine is refused here, not after the server
-    started); `dcut` None keeps the engine's own setting, False serves fixed draft lengths.
-    `max_len`: the context (prompt + output tokens) of each request slot."""
-    from angelspec.runtime.engine_dir import read_manifest
-
-    engine = pathlib.Path(engine).resolve()
-    read_manifest(engine, verify=True)
-    out = pathlib.Path(out)
-    values = {"max_batch_size": str(max_batch), "max_len": str(max_len),
-              "max_queue": str(max_queue), "request_timeout_s": str(request_timeout_s),
-              "decoupled_mode": "true" if decoupled else "false",
-              "dcut": {None: "engine", True: "on", False: "off"}[dcut]}
-    private = json.dumps({"engine_dir": str(engine)})  # beside the model, not in its config
-    shutil.rmtree(out, ignore_errors=True)
-    for model in MODELS:
-        for f in (TEMPLATES / model).rglob("*"):
-            if f.is_file() and "__pycache__" not in f.parts:
-                dst = out / f.relative_to(TEMPLATES)
-                dst.parent.mkdir(parents=True, exist_ok=True)
-                text = f.read_text()
-                dst.write_text(string.Template(text).substitute(values) if f.suffix == ".pbtxt" else text)
-        (out / model / "1").mkdir(parents=True, exist_ok=True)
-        (out / model / "1" / "private.json").write_text(private)
-    return out
-
-
 def environment(server: pathlib.Path) -> dict:
     """LD_LIBRARY_PATH with the wheel's libraries and this Python's libpython; the venv's bin/
-    first on PATH (the backend stub finds packages through the `python3` there); a kernel build
-    folder of the server's own."""
+    first on PATH (the backend stub finds packages through the `python3` there)."""
     env = dict(os.environ)
-    libs = [str(_pytriton().parent / "nvidia_pytriton.libs"), sysconfig.get_config_var("LIBDIR")]
+    libs = [str(pytriton_dir().parent / "nvidia_pytriton.libs"), sysconfig.get_config_var("LIBDIR")]
     env["LD_LIBRARY_PATH"] = ":".join(libs + [env.get("LD_LIBRARY_PATH", "")]).rstrip(":")
     env["PATH"] = str(pathlib.Path(sys.executable).parent) + ":" + env.get("PATH", "")
-    # the backend stub's torch hashes a different build environment for the C++ kernels; a
-    # folder of its own stops the two from rebuilding each other's (~1 min each time)
-    from angelspec.plugins.build import build_dir
-    env["ANGELSPEC_EXT_DIR"] = str(build_dir().parent) + "-triton"
     return env
 
 

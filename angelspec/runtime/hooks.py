@@ -1,0 +1,84 @@
+"""What runs around the speculative step (step.py) without being the step: the draft gate (which
+drafters draft this step), the router (`auto`: shadow drafts and switching) and the timing
+statistics D-cut and the gate weigh draft tokens with (T_fixed, the forwards' offset from the
+profiled C_B(n), the thread governor)."""
+from __future__ import annotations
+
+from angelspec.runtime.request import RequestState
+from angelspec.runtime.step import propose
+
+
+class StepHooks:
+    """The engine's hooks; `plan` is called first in every step (it fixes the step's cost curve)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.curve = None  # C_B(n) of this step's B requests (None: no cost profile)
+        self.t_fixed_ema = 0.0  # a step's time outside drafting and the forward (D-cut's T_fixed)
+        # requests in a forward -> EMA of (its measured time - C_B(its tokens)): the profile ran
+        # at one context length and one moment, while requests' contexts differ and the machine
+        # drifts; D-cut and the gate weigh draft tokens against C_B(n) + this offset
+        self.fwd_offset: dict[int, float] = {}
+
+    @property
+    def gate(self):
+        e = self.engine
+        return e.gate if e.dcut else None  # D-cut off: fixed draft lengths
+
+    def plan(self, active: list[RequestState], names: list[str]) -> list[str]:
+        """The drafter of each request this step: the gate may sit costly drafters out."""
+        e = self.engine
+        self.curve = e.curve(len(active))[1] if e.cost is not None else None
+        if self.gate is not None:
+            names = self.gate.plan(e.stats.steps, names, self.t_fixed(len(active)), self.curve)
+        return names
+
+    def t_fixed(self, batch: int) -> float:
+        return max(self.t_fixed_ema + self.fwd_offset.get(batch, 0.0), 0.0)
+
+    def shadow(self, active: list[RequestState]) -> None:
+        """Routed requests: every few steps one other candidate drafts too, for the router to
+        score once the target's tokens are known."""
+        e, due = self.engine, {}
+        for i, s in enumerate(active):
+            if s.route is not None:
+                name = e.router.shadow_due(s.route, s.drafter, e.available, self.curve)
+                if name:
+                    due[i] = name
+        if due:
+            idx = list(due)
+            props, _ = propose(e, [active[i] for i in idx], [due[i] for i in idx], shadow=True)
+            for i, p in zip(idx, props):
+                e.router.record(active[i].route, due[i], len(active[i].tokens), p.tokens.tolist())
+
+    def forwarded(self, batch: int, n_tokens: int, seconds: float) -> None:
+        """A verification forward's time against the profile: the governor and the offset."""
+        if self.curve is None:
+            return
+        profiled = self.curve(n_tokens)
+        if self.engine.governor is not None:
+            self.engine.governor.observe(seconds, profiled)
+        off, old = seconds - profiled, self.fwd_offset.get(batch)
+        self.fwd_offset[batch] = off if old is None else 0.8 * old + 0.2 * off
+
+    def committed(self, s: RequestState, accepted: int, drafted: int) -> None:
+        """A routed request's verdict: the router may switch its drafter."""
+        if s.route is not None:
+            s.route.used[s.drafter] = s.route.used.get(s.drafter, 0) + 1
+            s.drafter = self.engine.router.observe(s.route, s.drafter, accepted, drafted, s.tokens,
+                                                   self.curve)
+
+    def finished(self, names, props, verdicts, drafting: dict, total: float, t_draft: float,
+                 t_fwd: float, committed: int, n_tokens: int) -> None:
+        """The step's end: the gate learns what each drafter cost and brought; T_fixed and the
+        router's step costs move."""
+        if self.gate is not None:
+            for name, seconds in drafting.items():
+                mine = [(len(p.tokens), v[0]) for n, p, v in zip(names, props, verdicts) if n == name]
+                self.gate.observe(name, len(mine), seconds, sum(k for k, _ in mine),
+                                  sum(a for _, a in mine))
+        spent = total - t_draft - t_fwd
+        first = self.engine.stats.steps == 1
+        self.t_fixed_ema = spent if first else 0.9 * self.t_fixed_ema + 0.1 * spent
+        if self.engine.router is not None:
+            self.engine.router.add_step(total, committed, n_tokens)

@@ -1,0 +1,34 @@
+"""Acceptance statistics: per request (what its client sees) and per engine (what benchmarks and
+the served metrics read)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Stats:
+    """One request's speculative steps: draft tokens verified and accepted, tokens committed."""
+    steps: int = 0  # target verification forwards after prefill
+    drafted: int = 0
+    accepted: int = 0
+    committed: int = 0  # tokens committed by those steps (accepted + bonus)
+
+    @property
+    def accept_len(self) -> float:
+        """Mean tokens committed per verification step (tau)."""
+        return self.committed / self.steps if self.steps else 0.0
+
+    def add(self, drafted: int, accepted: int, committed: int) -> None:
+        self.steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.committed += committed
+
+
+@dataclass
+class EngineStats:
+    """The engine's counters since it started."""
+    steps: int = 0  # verification forwards (one serves every active request)
+    prefill_time: float = 0.0  # seconds in prompt forwards (benchmarks separate decoding)
+    dcut_drafted: int = 0  # draft tokens D-cut was offered
+    dcut_kept: int = 0  # ... and kept

@@ -1,0 +1,121 @@
+"""One speculative step for every request in flight: draft -> D-cut -> verify -> commit.
+
+The gate, the router and the timing statistics are hooks around it (hooks.py); the engine
+(engine.py) keeps slots, admission, prefill and streaming. Autoregressive decoding is this step
+with empty drafts."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from angelspec.drafters import Proposal
+from angelspec.model import Segment
+from angelspec.plugins import RATIOS, SKINNY_MAX_ROWS, dcut_select
+from angelspec.runtime.request import RequestState
+from angelspec.runtime.verify import verify_batch
+
+Committed = list[tuple[RequestState, list[int]]]
+
+
+def speculative_step(engine, active: list[RequestState]) -> Committed:
+    """Every active request drafts, the batch's drafts are cut to what pays, one packed target
+    forward verifies them all, and each request commits its accepted prefix + the bonus token.
+    Returns each request with the tokens it committed."""
+    hooks, t_start = engine.hooks, time.perf_counter()
+    engine.stats.steps += 1
+    # 1. draft (a request on its last token does not); the gate may sit a drafter out
+    names = hooks.plan(active, [s.drafter if room(engine, s) else "none" for s in active])
+    props, drafting = propose(engine, active, names)
+    failed = [(s, []) for s in active if s.finish_reason == "error"]  # its drafter raised
+    if failed:  # those requests end with its error; the others step on
+        active, names, props, drafting = without_failed(active, names, props, drafting)
+        if not active:
+            return failed
+    hooks.shadow(active)
+    t_draft = time.perf_counter() - t_start
+    # 2. D-cut: a prefix of each draft, by survival, against the batch's verification cost
+    props = cut(engine, props, t_draft, hooks.t_fixed(len(active)))
+    # 3. verify: one forward over every request's [anchor + kept drafts], packed
+    tokens = torch.cat([t for s, p in zip(active, props) for t in (torch.tensor([s.tokens[-1]]), p.tokens)])
+    segments = [Segment(s.slot, s.cache_len, 1 + len(p.tokens)) for s, p in zip(active, props)]
+    t0 = time.perf_counter()
+    logits, hidden = engine.model.forward(tokens, engine.model.batch(segments), engine.cache,
+                                          capture=engine.capture(active))
+    t_fwd = time.perf_counter() - t0
+    hooks.forwarded(len(active), len(tokens), t_fwd)
+    verdicts = verify_batch(logits, [p.tokens for p in props], [s.params for s in active],
+                            [None if s.params.greedy else s.uniforms(len(p.tokens) + 1)
+                             for s, p in zip(active, props)])
+    # 4. commit the accepted prefix + the bonus token; drafters see the target's hidden states
+    out, row = [], 0
+    for s, p, (accepted, new) in zip(active, props, verdicts):
+        committed = engine.commit(s, new)
+        s.stats.add(len(p.tokens), accepted, len(committed))
+        engine.feed_drafters(s, hidden, row, row + accepted + 1)
+        hooks.committed(s, accepted, len(p.tokens))
+        out.append((s, committed))
+        row += len(p.tokens) + 1
+    hooks.finished(names, props, verdicts, drafting, time.perf_counter() - t_start, t_draft, t_fwd,
+                   sum(len(c) for _, c in out), len(tokens))
+    return out + failed
+
+
+def without_failed(active, names, props, drafting):
+    keep = [i for i, s in enumerate(active) if s.finish_reason != "error"]
+    names = [names[i] for i in keep]
+    return ([active[i] for i in keep], names, [props[i] for i in keep],
+            {n: t for n, t in drafting.items() if n in names})
+
+
+def room(engine, s: RequestState) -> int:
+    """Draft tokens request s can still use: never past its token budget or the cache (the
+    bonus token always comes)."""
+    return max(min(s.params.max_new_tokens - len(s.output), engine.max_len - len(s.tokens)) - 1, 0)
+
+
+def propose(engine, active: list[RequestState], names: list[str],
+            shadow: bool = False) -> tuple[list[Proposal], dict[str, float]]:
+    """One proposal per request from drafter names[i] (one call per drafter), and the seconds
+    each drafter took. A drafter that raises fails its requests (a shadow draft, drafted for
+    routing only, just loses its say)."""
+    props: list[Proposal | None] = [None] * len(active)
+    spent: dict[str, float] = {}
+    groups: dict[str, list[int]] = {}
+    for i, name in enumerate(names):
+        groups.setdefault(name, []).append(i)
+    for name, idx in groups.items():
+        t0 = time.perf_counter()
+        views = [active[i].view(name) for i in idx]
+        try:
+            for i, p in zip(idx, engine.drafter(name).propose(views), strict=True):
+                props[i] = p
+        except Exception as exc:  # noqa: BLE001 - these requests fail, the batch goes on
+            for i in idx:
+                if not shadow:
+                    active[i].fail(name, exc)
+                props[i] = Proposal.empty()
+        spent[name] = time.perf_counter() - t0
+        if engine.router is not None:
+            engine.router.note_draft_time(name, spent[name] / len(idx))
+    return [p.clip(room(engine, s)) for s, p in zip(active, props)], spent
+
+
+def cut(engine, props: list[Proposal], t_draft: float, t_fixed: float) -> list[Proposal]:
+    """D-cut over the batch's drafts; without it, only the row limit of the lossless kernels."""
+    lengths = torch.tensor([len(p.tokens) for p in props], dtype=torch.long)
+    total = int(lengths.sum())
+    if engine.dcut and total:
+        _, keep = dcut_select(torch.cat([p.confidence for p in props]).double(), lengths,
+                              t_draft, t_fixed, *engine.curve(len(props))[0],
+                              torch.tensor(RATIOS, dtype=torch.float64))
+        engine.stats.dcut_drafted += total
+        engine.stats.dcut_kept += int(keep.sum())
+        props = [p.clip(int(k)) for p, k in zip(props, keep)]
+        lengths = keep
+    # one forward verifies at most SKINNY_MAX_ROWS tokens (row-exact kernels: lossless)
+    while int(lengths.sum()) + len(props) > SKINNY_MAX_ROWS:
+        i = int(lengths.argmax())
+        lengths[i] -= 1
+        props[i] = props[i].clip(int(lengths[i]))
+    return props
