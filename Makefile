@@ -3,11 +3,11 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TARGET ?= build/targets/smollm2-135m-instruct
-BENCH_ARGS ?= --drafters ar,ngram,hf --max-new-tokens 128 --verify-cost
+BENCH_ARGS ?= --drafters ar,ngram,hf --max-tokens 128 --verify-cost
 # drafts: PRESET=quick (default, 45-56 min here) or PRESET=full (~2.3 h); each has its own folders
 PRESET ?= quick
-DATA_ARGS_quick := --chat 600 --code 600 --math 600 --heldout 10 --max-new-tokens 160
-DATA_ARGS_full  := --chat 1200 --code 1200 --math 1200 --heldout 20 --max-new-tokens 256
+DATA_ARGS_quick := --chat 600 --code 600 --math 600 --heldout 10 --max-tokens 160
+DATA_ARGS_full  := --chat 1200 --code 1200 --math 1200 --heldout 20 --max-tokens 256
 SUFFIX := $(if $(filter full,$(PRESET)),-full,)
 DATA   ?= build/data$(SUFFIX)
 DRAFTS ?= build/drafts$(SUFFIX)
@@ -84,7 +84,7 @@ drafts: data
 
 bench-drafts: target
 	$(VENV)/bin/angelspec bench --target $(TARGET) --prompts $(DATA)/heldout.jsonl --drafts $(DRAFTS) \
-	  --drafters ar,ngram,mtp,dflash,dfly --max-new-tokens 128 --out build/bench-drafts$(SUFFIX).json
+	  --drafters ar,ngram,mtp,dflash,dfly --max-tokens 128 --out build/bench-drafts$(SUFFIX).json
 
 engines: target
 	$(VENV)/bin/angelspec build --target $(TARGET) --drafts $(DRAFTS) --data $(DATA) --out $(ENGINE) \
@@ -92,9 +92,9 @@ engines: target
 
 bench-engine:
 	$(VENV)/bin/angelspec bench --engine $(ENGINE) --prompts $(DATA)/heldout.jsonl \
-	  --drafters ar,ngram,mtp,dfly,auto --max-new-tokens 128 --dcut on --out build/bench-engine-c1$(SUFFIX).json
+	  --drafters ar,ngram,mtp,dfly,auto --max-tokens 128 --dcut on --out build/bench-engine-c1$(SUFFIX).json
 	$(VENV)/bin/angelspec bench --engine $(ENGINE) --prompts $(DATA)/heldout.jsonl \
-	  --drafters ar,ngram,dfly,auto --max-new-tokens 128 --concurrency 16 --dcut both --rounds 3 \
+	  --drafters ar,ngram,dfly,auto --max-tokens 128 --concurrency 16 --dcut both --rounds 3 \
 	  --out build/bench-engine-c16$(SUFFIX).json
 
 serve: setup

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from safetensors.torch import load_file
 
+from angelspec import DEFAULT_MAX_LEN
 from angelspec.model import Llama, ModelConfig
 from angelspec.text import encode_chat
 
@@ -68,7 +69,7 @@ def read_weights(path: pathlib.Path) -> dict[str, torch.Tensor]:
     return weights
 
 
-def load_target(path: str | pathlib.Path, max_len: int = 4096) -> Target:
+def load_target(path: str | pathlib.Path, max_len: int = DEFAULT_MAX_LEN) -> Target:
     """Load a Llama-family target: our lean model for decoding, transformers' tokenizer."""
     from transformers import AutoTokenizer
 

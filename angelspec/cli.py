@@ -8,6 +8,8 @@ import pathlib
 import sys
 import time
 
+from angelspec import DEFAULT_MAX_LEN
+
 DRAFTER_HELP = ("ar (autoregressive, no drafter), ngram (prompt lookup from the request's context), "
                 "or a trained draft: mtp (chat), dfly / dflash (code, math)")
 
@@ -60,7 +62,7 @@ def cmd_target(args) -> int:
 def _params(args):
     from angelspec.runtime import SamplingParams
 
-    return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                           top_p=args.top_p, top_k=args.top_k, seed=args.seed).validate()
 
 
@@ -115,7 +117,7 @@ def cmd_bench(args) -> int:
     target = None if args.engine else load_target_or_default(args.target)
     if args.contend:
         return _contend(args, target, prompts)
-    result = bench(target, prompts, args.drafters.split(","), max_new=args.max_new_tokens,
+    result = bench(target, prompts, args.drafters.split(","), max_tokens=args.max_tokens,
                    batch_size=args.concurrency, draft_len=args.draft_len, eps=args.eps,
                    with_verify_cost=args.verify_cost, drafts=args.drafts, engine_dir=args.engine,
                    dcut=args.dcut, rounds=args.rounds, temperature=args.temperature,
@@ -132,7 +134,7 @@ def _contend(args, target, prompts) -> int:
     from angelspec.runtime import Engine
     from angelspec.runtime.cost import profile
 
-    max_len = 4096
+    max_len = DEFAULT_MAX_LEN
     if args.engine:
         from angelspec.runtime.engine_dir import load_engine
         engine = load_engine(args.engine, max_batch=1, max_len=max_len)
@@ -141,7 +143,7 @@ def _contend(args, target, prompts) -> int:
         engine = Engine(target, max_batch=1, max_len=max_len, drafts=args.drafts,
                         cost=profile(target.model))
     result = contend.contend(engine, [target.encode_chat(p["prompt"]) for p in prompts],
-                             args.drafters.split(","), args.contend, args.max_new_tokens)
+                             args.drafters.split(","), args.contend, args.max_tokens)
     print(contend.format_table(result))
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
@@ -194,7 +196,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     def common(sp):
         sp.add_argument("--target", help="Hugging Face Llama-family checkpoint folder "
                         "(default: the converted SmolLM2, made on first use)")
-        sp.add_argument("--max-new-tokens", type=int, default=128, help="default: %(default)s")
+        sp.add_argument("--max-tokens", type=int, default=128, help="default: %(default)s")
         sp.add_argument("--draft-len", type=int, default=None,
                         help="tokens a drafter proposes per step (default: the drafter's own: "
                              "3 for ngram and mtp, block size - 1 for dfly/dflash)")
@@ -214,7 +216,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
     g.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible output)")
-    g.add_argument("--max-len", type=int, default=4096, help="context length of the KV cache")
+    g.add_argument("--max-len", type=int, default=DEFAULT_MAX_LEN,
+                   help="context of the request: prompt + output tokens")
     g.add_argument("--no-chat", action="store_true", help="raw prompt, no chat template")
     g.add_argument("--stream", action="store_true", help="print tokens as they are committed")
     g.set_defaults(fn=cmd_generate)
@@ -274,7 +277,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     sv.add_argument("--grpc-port", type=int, default=8001)
     sv.add_argument("--metrics-port", type=int, default=8002)
     sv.add_argument("--max-batch", type=int, default=8, help="requests decoded together")
-    sv.add_argument("--max-len", type=int, default=2048,
+    sv.add_argument("--max-len", type=int, default=DEFAULT_MAX_LEN,
                     help="context of each request slot: prompt + generated tokens")
     sv.add_argument("--max-queue", type=int, default=32,
                     help="requests waiting beyond max-batch before new ones get 'busy, retry'")

@@ -17,8 +17,18 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from angelspec.plugins import (SKINNY_MAX_ROWS, amx_available, cached_attention, can_pack, linear, pack_bf16,
-                               rms_norm, rope_, silu_mul)
+from angelspec import DEFAULT_MAX_LEN
+from angelspec.plugins import (
+    SKINNY_MAX_ROWS,
+    amx_available,
+    cached_attention,
+    can_pack,
+    linear,
+    pack_bf16,
+    rms_norm,
+    rope_,
+    silu_mul,
+)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -129,7 +139,7 @@ class Batch:
 class Llama:
     """Weights as plain tensors (fused qkv and gate_up), functions over packed tokens."""
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], max_len: int = 8192):
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], max_len: int = DEFAULT_MAX_LEN):
         self.cfg = cfg
         w = weights
         get = lambda k: w[k].float().contiguous()  # noqa: E731

@@ -6,6 +6,7 @@ import json
 import pathlib
 
 DEFAULT_PROMPTS = pathlib.Path(__file__).with_name("data") / "prompts.jsonl"
+DOMAINS = ("chat", "code", "math")  # what prompts, data, drafts and routes are specialised for
 
 
 def load_prompts(path: str | pathlib.Path | None, limit: int | None = None) -> list[dict]:

@@ -13,7 +13,7 @@ MIN_TEMPERATURE = 1e-3
 
 @dataclass
 class SamplingParams:
-    max_new_tokens: int = 128
+    max_tokens: int = 128
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
@@ -26,8 +26,8 @@ class SamplingParams:
         def is_int(v):
             return isinstance(v, int) and not isinstance(v, bool)
 
-        if not is_int(self.max_new_tokens) or self.max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if not is_int(self.max_tokens) or self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or math.isnan(t) or t < 0 \
                 or math.isinf(t) or 0 < t < MIN_TEMPERATURE:

@@ -32,9 +32,9 @@ def busy_processes(n: int) -> list[subprocess.Popen]:
     return procs
 
 
-def contend(engine, ids: list[list[int]], drafters: list[str], n_busy: int, max_new: int = 64) -> dict:
+def contend(engine, ids: list[list[int]], drafters: list[str], n_busy: int, max_tokens: int = 64) -> dict:
     full = torch.get_num_threads()
-    params = SamplingParams(max_new_tokens=max_new)
+    params = SamplingParams(max_tokens=max_tokens)
     tokens = {(d, c): 0 for d in drafters for c in CONFIGS}
     seconds = dict.fromkeys(tokens, 0.0)
     # one governor per adaptive configuration, kept across its turns as a server keeps one
@@ -42,7 +42,7 @@ def contend(engine, ids: list[list[int]], drafters: list[str], n_busy: int, max_
     own = engine.governor
     procs = busy_processes(n_busy)
     try:
-        engine.generate([Request(ids[0], SamplingParams(max_new_tokens=8), "none")])  # warm-up
+        engine.generate([Request(ids[0], SamplingParams(max_tokens=8), "none")])  # warm-up
         for x in tqdm(ids, desc=f"contend {n_busy} busy", unit="prompt", file=sys.stderr):
             for d in drafters:
                 for c in CONFIGS:
@@ -70,14 +70,14 @@ def contend(engine, ids: list[list[int]], drafters: list[str], n_busy: int, max_
                      "busy_adaptive_vs_fixed": round(tps["busy_adaptive"] / tps["busy_fixed"], 3),
                      "idle_adaptive_vs_fixed": round(tps["idle_adaptive"] / tps["idle_fixed"], 3)})
     return {"busy_processes": n_busy, "threads": full, "cores": os.cpu_count(),
-            "prompts": len(ids), "max_new_tokens": max_new, "results": rows,
+            "prompts": len(ids), "max_tokens": max_tokens, "results": rows,
             "thread_switches": {c: g.switches for c, g in governors.items()}}
 
 
 def format_table(result: dict) -> str:
     head = (f"{result['busy_processes']} busy processes beside the engine ({result['threads']} "
             f"threads, {result['cores']} cores), {result['prompts']} prompts x "
-            f"{result['max_new_tokens']} tokens, batch 1, tokens/s:")
+            f"{result['max_tokens']} tokens, batch 1, tokens/s:")
     lines = [head, f"{'drafter':<8}" + "".join(f"{c:>17}" for c in CONFIGS)
              + f"{'adaptive/1 thread':>19}{'idle adaptive/fixed':>21}"]
     for r in result["results"]:

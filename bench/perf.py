@@ -128,7 +128,7 @@ def in_process(engine, ids: list[int], drafter: str, max_tokens: int, count_toke
     """One request through the engine in this process, stepped exactly as the served model's
     worker steps it: output tokens (counted as for the served text), seconds, steps, step time."""
     steps, step_s, out, t0 = 0, 0.0, [], time.perf_counter()
-    engine.submit(Request(ids, SamplingParams(max_new_tokens=max_tokens), drafter), 0)
+    engine.submit(Request(ids, SamplingParams(max_tokens=max_tokens), drafter), 0)
     while engine.busy:
         t = time.perf_counter()
         events = engine.step()
@@ -149,7 +149,7 @@ def in_process_load(engine, prompt_ids: list[list[int]], drafter: str, max_token
     while sent < requests or engine.busy:
         while open_ < concurrency and sent < requests:
             ids = prompt_ids[sent % len(prompt_ids)]
-            engine.submit(Request(ids, SamplingParams(max_new_tokens=max_tokens), drafter), sent)
+            engine.submit(Request(ids, SamplingParams(max_tokens=max_tokens), drafter), sent)
             sent, open_ = sent + 1, open_ + 1
         t = time.perf_counter()
         events = engine.step()

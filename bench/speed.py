@@ -94,9 +94,9 @@ def chunks(prompts: list[dict], batch_size: int) -> list[tuple[str, list[int]]]:
 
 
 def run_engine_chunk(engine: Engine, run: Run, ids: list[list[int]], chunk: list[int],
-                     domain: str, max_new: int, sampling: dict | None = None) -> None:
+                     domain: str, max_tokens: int, sampling: dict | None = None) -> None:
     """sampling: temperature and top_p (each prompt sampled with its index as seed); None: greedy."""
-    params = [SamplingParams(max_new_tokens=max_new, **(dict(sampling, seed=i) if sampling else {}))
+    params = [SamplingParams(max_tokens=max_tokens, **(dict(sampling, seed=i) if sampling else {}))
               for i in chunk]
     engine.dcut = run.dcut
     t0, p0, s0 = time.perf_counter(), engine.stats.prefill_time, engine.stats.steps
@@ -118,13 +118,13 @@ class HFRunner:
         self.eos = target.eos_ids or None
 
     def __call__(self, run: Run, ids: list[list[int]], chunk: list[int], domain: str,
-                 max_new: int) -> None:
+                 max_tokens: int) -> None:
         for i in chunk:
             x = torch.tensor([ids[i]])
             t0 = time.perf_counter()
             with torch.inference_mode():
                 out = self.model.generate(x, attention_mask=torch.ones_like(x),
-                                          max_new_tokens=max_new, do_sample=False,
+                                          max_new_tokens=max_tokens, do_sample=False,
                                           eos_token_id=self.eos,
                                           pad_token_id=self.eos[0] if self.eos else 0)
             run.outputs[i] = out[0, x.shape[1]:].tolist()
@@ -173,7 +173,7 @@ def verify_cost(target: Target, context: int = 256, sizes=(1, 2, 4, 8, 16), reps
     return {"context": context, "ms": ms, "ratio_vs_1": {n: ms[n] / ms[1] for n in sizes}}
 
 
-def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_new: int = 128,
+def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_tokens: int = 128,
           batch_size: int = 1, draft_len: int | None = None, eps: float = NEAR_TIE_EPS,
           with_verify_cost: bool = False, drafts: str | None = None, engine_dir: str | None = None,
           dcut: str = "off", rounds: int = 1, temperature: float = 0.0, top_p: float = 1.0) -> dict:
@@ -197,7 +197,7 @@ def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_n
     if engine_dir:
         target = load_target(pathlib.Path(engine_dir) / "target")
     ids = [target.encode_chat(p["prompt"]) for p in prompts]
-    max_len = max(len(x) for x in ids) + max_new + 1
+    max_len = max(len(x) for x in ids) + max_tokens + 1
     if engine_dir:
         engine = load_engine(engine_dir, max_batch=batch_size, max_len=max_len, dcut=False,
                              target=target)
@@ -221,15 +221,15 @@ def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_n
         samples.append(stream_bandwidth(buf=stream_buf))
         for run in runs:
             if run.drafter == "hf":
-                hf(run, ids, chunk, domain, max_new)
+                hf(run, ids, chunk, domain, max_tokens)
             else:
-                run_engine_chunk(engine, run, ids, chunk, domain, max_new, sampling)
+                run_engine_chunk(engine, run, ids, chunk, domain, max_tokens, sampling)
     ref = runs[0].outputs
     if batch_size > 1:  # the lossless reference is always batch-1 autoregressive decoding
         ref_run, single = Run("ar", len(ids)), Engine(target, max_batch=1, max_len=engine.max_len)
         for domain, chunk in tqdm(chunks(prompts, 1), desc="reference (ar, batch 1)",
                                   file=sys.stderr):
-            run_engine_chunk(single, ref_run, ids, chunk, domain, max_new, sampling)
+            run_engine_chunk(single, ref_run, ids, chunk, domain, max_tokens, sampling)
         ref = ref_run.outputs
     bandwidth = statistics.median(samples)
     del stream_buf
@@ -272,7 +272,7 @@ def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_n
     result = {
         "config": {
             "target": str(target.path), "engine": engine_dir, "prompts": len(prompts),
-            "domains": domains, "max_new_tokens": max_new, "concurrency": batch_size,
+            "domains": domains, "max_tokens": max_tokens, "concurrency": batch_size,
             "hf_batch_size": 1, "dcut": dcut, "rounds": rounds,
             "draft_len": engine.drafter("ngram").draft_len if "ngram" in names else draft_len,
             "greedy": not temperature, "temperature": temperature, "top_p": top_p,
@@ -294,7 +294,7 @@ def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_n
 
 def format_table(result: dict) -> str:
     cfg = result["config"]
-    lines = [f"target {cfg['target']}  |  {cfg['prompts']} prompts, {cfg['max_new_tokens']} new "
+    lines = [f"target {cfg['target']}  |  {cfg['prompts']} prompts, {cfg['max_tokens']} new "
              f"tokens, {cfg['concurrency']} in flight, "
              f"{'greedy' if cfg['greedy'] else 'sampled at T=%g top_p=%g' % (cfg['temperature'], cfg['top_p'])}, "
              f"{cfg['threads']} threads  |  "

@@ -24,12 +24,20 @@ from angelspec.builders.trtllm import export as export_trtllm
 from angelspec.checkpoint import CheckpointError, load_target
 from angelspec.drafters import TRAINED, Datastore, make_drafter
 from angelspec.plugins import RATIOS, SKINNY_MAX_ROWS
-from angelspec.prompts import DEFAULT_PROMPTS, load_prompts
+from angelspec.prompts import DEFAULT_PROMPTS, DOMAINS, load_prompts
 from angelspec.runtime import Engine, Request, SamplingParams
 from angelspec.runtime.backend import choose_weights, use_backend
 from angelspec.runtime.cost import fingerprint, profile
-from angelspec.runtime.engine_dir import FORMAT, MANIFEST, sha256
-from angelspec.runtime.router import DEFAULT_ROUTES, DOMAINS, DomainClassifier, Router, contenders
+from angelspec.runtime.manifest import (
+    BackendChoice,
+    DcutSpec,
+    Defaults,
+    DraftSpec,
+    EngineManifest,
+    TargetInfo,
+    WeightsChoice,
+)
+from angelspec.runtime.router import DEFAULT_ROUTES, DomainClassifier, Router, contenders
 
 DRAFT_FILES = ("config.json", "model.safetensors")
 
@@ -79,7 +87,7 @@ def tune_ngram(target, drafts_dir: pathlib.Path, cost=None) -> tuple[int, dict]:
 
 
 def calibrate_routes(target, drafts_dir: pathlib.Path, candidates: list[str], cost=None,
-                     per_domain: int = 3, max_new: int = 64,
+                     per_domain: int = 3, max_tokens: int = 64,
                      draft_lens: dict | None = None) -> tuple[dict, dict]:
     """Each domain's starting drafter for `auto`: the candidate with the most tokens/s on the first
     `per_domain` bundled benchmark prompts of that domain (never the data step's held-out split),
@@ -87,9 +95,9 @@ def calibrate_routes(target, drafts_dir: pathlib.Path, candidates: list[str], co
     cost table `cost` when given, as the engine serves."""
     rows = [r for r in load_prompts(DEFAULT_PROMPTS, per_domain) if r["domain"] in DOMAINS]
     ids = [target.encode_chat(r["prompt"]) for r in rows]
-    engine = Engine(target, max_batch=1, max_len=max(map(len, ids)) + max_new + 1,
+    engine = Engine(target, max_batch=1, max_len=max(map(len, ids)) + max_tokens + 1,
                     drafts=str(drafts_dir), draft_lens=draft_lens, dcut=cost is not None, cost=cost)
-    params = SamplingParams(max_new_tokens=max_new)
+    params = SamplingParams(max_tokens=max_tokens)
     tokens = {(d, c): 0 for d in DOMAINS for c in candidates}
     seconds = dict.fromkeys(tokens, 0.0)
     for r, x in zip(rows, ids):
@@ -106,7 +114,7 @@ def calibrate_routes(target, drafts_dir: pathlib.Path, candidates: list[str], co
 def build(target_dir: str, drafts_dir: str, out: str, data_dir: str | None = None,
           drafters: list[str] | None = None, backends: tuple = ("eager", "inductor"),
           min_gain: float = 1.2, dcut: bool = True, max_tokens: int = SKINNY_MAX_ROWS,
-          export: str | None = None, weights: str = "auto") -> dict:
+          export: str | None = None, weights: str = "auto") -> EngineManifest:
     """Build the engine folder `out`. It is written as a hidden `.<name>.partial` beside it and
     renamed to `out` only when complete: a failed or stopped build leaves any earlier engine of
     that name as it was."""
@@ -129,7 +137,7 @@ def build(target_dir: str, drafts_dir: str, out: str, data_dir: str | None = Non
 
 def _build(target_dir: pathlib.Path, drafts_dir: pathlib.Path, out: pathlib.Path,
            final: pathlib.Path, data_dir, drafters, backends, min_gain, dcut, max_tokens, export,
-           weights) -> dict:
+           weights) -> EngineManifest:
     data = pathlib.Path(data_dir) if data_dir else None
     # every input is checked before the first expensive step
     if data is not None and not (data / "prompts.jsonl").exists():
@@ -149,15 +157,14 @@ def _build(target_dir: pathlib.Path, drafts_dir: pathlib.Path, out: pathlib.Path
     specs = {}
     for kind in kinds:  # each load checks that the draft was trained for this target
         d = make_drafter(kind, None, target, drafts_dir)
-        specs[kind] = {"kind": kind, "path": f"drafts/{kind}", "max_draft_len": d.draft_len,
-                       "target_layer_ids": list(d.cfg.target_layers),
-                       "draft_vocab": len(d.frozen.vocab_ids)}
-    specs["ngram"] = {"kind": "ngram"}
+        specs[kind] = DraftSpec(kind, f"drafts/{kind}", d.draft_len, list(d.cfg.target_layers),
+                                len(d.frozen.vocab_ids))
+    specs["ngram"] = DraftSpec("ngram")
     store = drafts_dir / "ngram"
     if (store / Datastore.FILE).exists():  # the datastore of the target's own responses
         if not Datastore.fits(store, target):
             raise CheckpointError(f"{store} was built with another tokenizer than {target_dir}'s")
-        specs["ngram"]["path"] = "drafts/ngram"
+        specs["ngram"].path = "drafts/ngram"
     # the cost profile first: ngram's draft length is tuned as the engine serves (D-cut on it)
     bar.set_postfix_str("backends")
     backend = choose(target.model, backends, min_gain)
@@ -170,7 +177,7 @@ def _build(target_dir: pathlib.Path, drafts_dir: pathlib.Path, out: pathlib.Path
 
     served = cost if dcut else None
     bar.set_postfix_str("ngram draft length")
-    specs["ngram"]["max_draft_len"], specs["ngram"]["tokens_per_s_by_draft_len"] = \
+    specs["ngram"].draft_len, specs["ngram"].tokens_per_s_by_draft_len = \
         tune_ngram(target, drafts_dir, served)
     bar.update()
 
@@ -183,7 +190,7 @@ def _build(target_dir: pathlib.Path, drafts_dir: pathlib.Path, out: pathlib.Path
     for kind in kinds:
         for f in DRAFT_FILES:
             _place(drafts_dir / kind / f, out / "drafts" / kind / f)
-    if "path" in specs["ngram"]:
+    if specs["ngram"].path:
         for f in ("config.json", Datastore.FILE):
             _place(store / f, out / "drafts" / "ngram" / f)
     bar.update()
@@ -198,7 +205,7 @@ def _build(target_dir: pathlib.Path, drafts_dir: pathlib.Path, out: pathlib.Path
         # at fixed draft lengths: the drafters' own speed (under D-cut the gate would run a
         # losing drafter as `none`, which on 3 prompts can tie a weak domain's best by chance)
         routes, speed = calibrate_routes(target, drafts_dir, candidates,
-                                         draft_lens={"ngram": specs["ngram"]["max_draft_len"]})
+                                         draft_lens={"ngram": specs["ngram"].draft_len})
         router = {**Router(None, routes, tuple(candidates), contenders=contenders(speed)).settings(),
                   "domains": list(DOMAINS),
                   "classifier": "router.safetensors", "accuracy": accuracy,
@@ -206,28 +213,18 @@ def _build(target_dir: pathlib.Path, drafts_dir: pathlib.Path, out: pathlib.Path
     bar.update()
 
     bar.set_postfix_str("manifest")
-    manifest = {
-        "format": FORMAT,
-        "name": final.name,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "target": {"path": "target", "source": str(target_dir),
-                   "architecture": target.config.architecture,
-                   "hidden_size": target.config.hidden_size, "vocab_size": target.config.vocab_size,
-                   "num_layers": target.config.num_layers, "tokenizer_sha256": target.tokenizer_hash()},
-        "drafters": specs,
-        "defaults": {"drafter": "auto" if router else (kinds[0] if kinds else "ngram"), "dcut": dcut},
-        "router": router,
-        "backend": backend,
-        "weights": weights,
-        "dcut": {"ratios": list(RATIOS), "profile": cost.to_json()},
-        "fingerprint": fingerprint(backend["chosen"], target.model.weights),
-    }
+    manifest = EngineManifest(
+        name=final.name, created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        target=TargetInfo("target", str(target_dir), target.config.architecture, target.config.hidden_size,
+                          target.config.vocab_size, target.config.num_layers, target.tokenizer_hash()),
+        drafters=specs,
+        defaults=Defaults("auto" if router else (kinds[0] if kinds else "ngram"), dcut),
+        router=router, backend=BackendChoice(**backend), weights=WeightsChoice(**weights),
+        dcut=DcutSpec(list(RATIOS), cost.to_json()),
+        fingerprint=fingerprint(backend["chosen"], target.model.weights))
     if export == "trtllm":
-        manifest["exported"] = {"trtllm": export_trtllm(out, out / "trtllm", manifest,
-                                                                final=final / "trtllm")}
-    manifest["files"] = {str(f.relative_to(out)): sha256(f) for f in sorted(out.rglob("*"))
-                         if f.is_file() and f.name != MANIFEST}
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        manifest.exported["trtllm"] = export_trtllm(out, out / "trtllm", manifest, final=final / "trtllm")
+    manifest.write(out)
     bar.update()
     bar.close()
     return manifest
@@ -263,23 +260,23 @@ def run(args) -> int:
               tuple(b.strip() for b in args.backends.split(",") if b.strip()), args.min_gain,
               not args.no_dcut, export=args.export, weights=args.weights)
     out = pathlib.Path(args.out)
-    for kind, paths in m.get("exported", {}).items():
+    for kind, paths in m.exported.items():
         print(f"{kind} export: {', '.join(paths)}")
-    be = m["backend"]
-    speeds = ", ".join(f"{b} {r['speedup_vs_eager']}x" for b, r in be["measured"].items())
-    print(f"{out}: drafters {', '.join(m['drafters'])}; default {m['defaults']['drafter']}, "
-          f"D-cut {'on' if m['defaults']['dcut'] else 'off'}; backend {be['chosen']} ({speeds}); "
-          f"{m['weights']['dtype']} weights ({m['weights']['why']})")
-    if be.get("why_eager"):
-        print(f"  eager kept: {be['why_eager']}")
-    ng = m["drafters"]["ngram"]
-    print(f"  ngram draft length {ng['max_draft_len']} (tokens/s by length: "
-          f"{json.dumps(ng['tokens_per_s_by_draft_len'])})")
-    if m["router"]:
-        r = m["router"]
+    be = m.backend
+    speeds = ", ".join(f"{b} {r['speedup_vs_eager']}x" for b, r in be.measured.items())
+    print(f"{out}: drafters {', '.join(m.drafters)}; default {m.defaults.drafter}, "
+          f"D-cut {'on' if m.defaults.dcut else 'off'}; backend {be.chosen} ({speeds}); "
+          f"{m.weights.dtype} weights ({m.weights.why})")
+    if be.why_eager:
+        print(f"  eager kept: {be.why_eager}")
+    ng = m.drafters["ngram"]
+    print(f"  ngram draft length {ng.draft_len} (tokens/s by length: "
+          f"{json.dumps(ng.tokens_per_s_by_draft_len)})")
+    if m.router:
+        r = m.router
         print(f"  router: classifier accuracy {json.dumps(r['accuracy'])}; routes {r['routes']} "
               f"(tokens/s measured per domain: {json.dumps(r['calibration_tokens_per_s'])})")
-    prof = m["dcut"]["profile"]
+    prof = m.dcut.profile
     print("  verification cost C(n): " + ", ".join(f"{n}:{ms:.1f}ms" for n, ms in zip(prof["n"], prof["ms"])))
     for b, c in prof.get("by_batch", {}).items():
         print(f"    with {b} requests: " + ", ".join(f"{n}:{ms:.1f}ms" for n, ms in zip(c["n"], c["ms"])))

@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from angelspec.plugins import interpolate_cost
-from angelspec.runtime.engine_dir import read_manifest
+from angelspec.runtime.manifest import EngineManifest, read_manifest
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
@@ -110,7 +110,7 @@ def export_mtp(engine: pathlib.Path, out: pathlib.Path) -> None:
                                                  "layout": "DeepSeek-V3 MTP layer"}, indent=1) + "\n")
 
 
-def export(engine: str | pathlib.Path, out: str | pathlib.Path, manifest: dict | None = None,
+def export(engine: str | pathlib.Path, out: str | pathlib.Path, manifest: EngineManifest | None = None,
            acceptance: float = 0.7, final: str | pathlib.Path | None = None) -> list[str]:
     """Write <out>/dflash/, <out>/mtp-deepseek-layout/ and <out>/speculative.yaml; return paths.
     `manifest`: the engine's (read from the folder when not given); `final`: where `out` will
@@ -119,10 +119,10 @@ def export(engine: str | pathlib.Path, out: str | pathlib.Path, manifest: dict |
     final = pathlib.Path(final or out)
     manifest = manifest or read_manifest(engine, verify=False)
     written = []
-    if "dflash" in manifest["drafters"]:
+    if "dflash" in manifest.drafters:
         config = export_dflash(engine, out / "dflash")
-        max_len = manifest["drafters"]["dflash"]["max_draft_len"]
-        schedule = draft_len_schedule(manifest["dcut"]["profile"], max_len, acceptance)
+        max_len = manifest.drafters["dflash"].draft_len
+        schedule = draft_len_schedule(manifest.dcut.profile, max_len, acceptance)
         lines = ["# TensorRT-LLM LLM-API options (trtllm-serve <target> --config speculative.yaml)",
                  "# written by angelspec build --export trtllm; draft_len_schedule from the D-cut "
                  "profile of the build machine", "speculative_config:", "  decoding_type: DFlash",
@@ -132,7 +132,7 @@ def export(engine: str | pathlib.Path, out: str | pathlib.Path, manifest: dict |
                  "  draft_len_schedule: {" + ", ".join(f"{b}: {d}" for b, d in schedule.items()) + "}"]
         (out / "speculative.yaml").write_text("\n".join(lines) + "\n")
         written += [str(final / "dflash"), str(final / "speculative.yaml")]
-    if "mtp" in manifest["drafters"]:
+    if "mtp" in manifest.drafters:
         export_mtp(engine, out / "mtp-deepseek-layout")
         written.append(str(final / "mtp-deepseek-layout"))
     return written

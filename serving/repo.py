@@ -7,7 +7,8 @@ import pathlib
 import shutil
 import string
 
-from angelspec.runtime.engine_dir import read_manifest
+from angelspec import DEFAULT_MAX_LEN
+from angelspec.runtime.manifest import read_manifest
 
 TEMPLATES = pathlib.Path(__file__).resolve().parents[1] / "model_repo"
 MODELS = ("ensemble",)
@@ -15,7 +16,8 @@ MODELS = ("ensemble",)
 
 def write_repo(engine: str | pathlib.Path, out: str | pathlib.Path = "build/model_repo",
                max_batch: int = 8, max_queue: int = 32, request_timeout_s: float = 300.0,
-               decoupled: bool = True, dcut: bool | None = None, max_len: int = 2048) -> pathlib.Path:
+               decoupled: bool = True, dcut: bool | None = None,
+               max_len: int = DEFAULT_MAX_LEN) -> pathlib.Path:
     """Fill the templates in model_repo/ (never modified) into `out` for `engine`, verified
     first (every file's checksum: a broken engine is refused here, not after the server
     started); `dcut` None keeps the engine's own setting, False serves fixed draft lengths.

@@ -11,14 +11,14 @@ from safetensors.torch import load_file
 
 from angelspec.model import Segment
 from angelspec.plugins import amx_available
-from angelspec.prompts import load_prompts
+from angelspec.prompts import DOMAINS, load_prompts
 from angelspec.runtime import Engine, Request, SamplingParams
 from angelspec.training import data
-from angelspec.training.data import DOMAINS, Sequences, build
+from angelspec.training.data import Sequences, build
 from angelspec.training.sources import held_out, prompts
 
 FORBIDDEN = ("gsm", "humaneval", "mbpp", "mt_bench", "mt-bench", "hendrycks", "competition_math")
-SETTINGS = dict(counts={d: 2 for d in DOMAINS}, heldout=1, max_new_tokens=8,
+SETTINGS = dict(counts={d: 2 for d in DOMAINS}, heldout=1, max_tokens=8,
                 max_prompt_tokens=256, shard_size=4, progress=False)
 
 
@@ -112,7 +112,7 @@ def test_responses_are_the_targets_plain_greedy_continuations(built, default_tar
     assert len(seqs) == len(rows) == 6
     items = [seqs[i] for i in range(len(seqs))]
     engine = Engine(target, max_batch=8, max_len=512)
-    reqs = [Request(target.encode_chat(r["prompt"]), SamplingParams(max_new_tokens=8))
+    reqs = [Request(target.encode_chat(r["prompt"]), SamplingParams(max_tokens=8))
             for r in rows]
     for x, r, req, res in zip(items, rows, reqs, engine.generate(reqs)):
         assert x["tokens"][:x["prompt_len"]].tolist() == req.prompt_ids
@@ -185,8 +185,8 @@ def test_another_target_or_setting_is_refused(built, default_target, tmp_path):
     src, _ = built
     out = tmp_path / "data"
     shutil.copytree(src, out)
-    with pytest.raises(ValueError, match="generation.max_new_tokens.*another --out"):
-        build(default_target, out, **{**SETTINGS, "max_new_tokens": 9})
+    with pytest.raises(ValueError, match="generation.max_tokens.*another --out"):
+        build(default_target, out, **{**SETTINGS, "max_tokens": 9})
     m = json.loads((out / "manifest.json").read_text())
     (out / "manifest.json").write_text(json.dumps({**m, "target_hash": "0" * 64}))
     with pytest.raises(ValueError, match="target_hash.*delete the folder"):

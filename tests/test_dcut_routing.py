@@ -39,7 +39,7 @@ def test_dcut_is_lossless_and_cuts_when_tokens_are_dear(tiny, per_token, batch):
     oracle = NoisyOracle({tuple(p): r for p, r in zip(ps, ref)}, 6, seed=1)
     eng = Engine(tiny, max_batch=batch, max_len=256, drafters={"oracle": oracle}, dcut=True,
                  cost=table(per_token))
-    out = eng.generate([Request(p, SamplingParams(max_new_tokens=30), "oracle") for p in ps])
+    out = eng.generate([Request(p, SamplingParams(max_tokens=30), "oracle") for p in ps])
     assert [r.tokens for r in out] == ref
     # the real forwards calibrate the table, per number of requests in a forward
     assert batch in eng.hooks.fwd_offset and set(eng.hooks.fwd_offset) <= set(range(1, batch + 1))
@@ -100,7 +100,7 @@ def test_a_request_on_its_last_token_does_not_draft(tiny):
     ref = autoregressive(tiny, ps, 6)
     oracle = Wrong({tuple(p): r for p, r in zip(ps, ref)})
     eng = Engine(tiny, max_batch=3, max_len=256, drafters={"wrong": oracle}, dcut=False)
-    out = eng.generate([Request(p, SamplingParams(max_new_tokens=6), "wrong") for p in ps])
+    out = eng.generate([Request(p, SamplingParams(max_tokens=6), "wrong") for p in ps])
     assert [r.tokens for r in out] == ref
     assert sorted(set(oracle.asked)) == [1, 2, 3, 4]  # at 5 of 6 tokens, only the step's own is left
 
@@ -116,7 +116,7 @@ def test_a_slow_drafter_sits_out_under_dcut_and_output_stays_lossless(tiny):
     slow = Slow({tuple(p): r for p, r in zip(ps, ref)}, 4, p_wrong=0.5)
     eng = Engine(tiny, max_batch=4, max_len=256, drafters={"oracle": slow}, dcut=True,
                  cost=table(0.0001))
-    out = eng.generate([Request(p, SamplingParams(max_new_tokens=40), "oracle") for p in ps])
+    out = eng.generate([Request(p, SamplingParams(max_tokens=40), "oracle") for p in ps])
     assert [r.tokens for r in out] == ref
     assert eng.gate.skipped > 0
 
@@ -172,7 +172,7 @@ def test_router_switches_away_from_a_bad_drafter_losslessly(tiny):
                     candidates=("random", "oracle"), shadow_every=2, min_obs=2)
     eng = Engine(tiny, max_batch=2, max_len=256, router=router,
                  drafters={"oracle": oracle, "random": Random()})
-    out = eng.generate([Request(p, SamplingParams(max_new_tokens=60), "auto") for p in ps])
+    out = eng.generate([Request(p, SamplingParams(max_tokens=60), "auto") for p in ps])
     assert [r.tokens for r in out] == ref
     long = [r for r in out if len(r.tokens) >= 40]  # (some prompts reach eos early)
     assert len(long) >= 2
@@ -191,7 +191,7 @@ def test_finished_requests_move_a_domains_route(tiny):
                     candidates=("random", "oracle"), shadow_every=2, min_obs=2)
     eng = Engine(tiny, max_batch=1, max_len=256, router=router,
                  drafters={"oracle": oracle, "random": Random()})
-    runs = [eng.generate([Request(p, SamplingParams(max_new_tokens=60), "auto")])[0] for _ in range(3)]
+    runs = [eng.generate([Request(p, SamplingParams(max_tokens=60), "auto")])[0] for _ in range(3)]
     assert all(x.tokens == r for x in runs)
     assert [x.switches[0][1:] for x in runs[:2]] == [("random", "oracle")] * 2
     assert router.routes[clf.predict(p)] == "oracle"
@@ -216,7 +216,7 @@ def test_only_contenders_follow_a_routed_request(tiny, monkeypatch):
                     shadow_every=2, min_obs=2, contenders=only)
     eng = Engine(tiny, max_batch=2, max_len=256, router=router,
                  drafters={"oracle": oracle, "random": Random()})
-    out = eng.generate([Request(p, SamplingParams(max_new_tokens=40), "auto") for p in ps])
+    out = eng.generate([Request(p, SamplingParams(max_tokens=40), "auto") for p in ps])
     assert [r.tokens for r in out] == ref and all(not r.switches for r in out)
 
 

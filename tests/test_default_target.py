@@ -40,7 +40,7 @@ def test_logits_equal_transformers_on_the_default_target(default_target):
 def test_bench_cli_writes_the_documented_json(default_target, tmp_path):
     out = tmp_path / "r.json"
     cmd = [sys.executable, "-m", "angelspec.cli", "bench", "--target", str(default_target.path),
-           "--limit", "1", "--max-new-tokens", "12", "--drafters", "ar,ngram,hf", "--out", str(out)]
+           "--limit", "1", "--max-tokens", "12", "--drafters", "ar,ngram,hf", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     res = json.loads(out.read_text())
@@ -59,7 +59,7 @@ def test_bench_cli_writes_the_documented_json(default_target, tmp_path):
 def test_generate_cli_errors_are_clear(default_target):
     base = [sys.executable, "-m", "angelspec.cli", "generate", "--target", str(default_target.path)]
     for extra, msg in [(["--prompt", "hi", "--drafter", "medusa"], "unknown drafter 'medusa'"),
-                       (["--prompt", "hi", "--max-new-tokens", "0"], "max_new_tokens"),
+                       (["--prompt", "hi", "--max-tokens", "0"], "max_tokens"),
                        (["--prompt", ""], "prompt is empty")]:
         proc = subprocess.run(base + extra, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 2 and msg in proc.stderr, proc.stderr[-1000:]

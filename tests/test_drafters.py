@@ -214,7 +214,7 @@ def test_greedy_lossless_with_trained_drafters(target8, tmp_path, kind):
     g = torch.Generator().manual_seed(7)
     # 150 tokens: the drafts' own KV caches start at 64 positions and must grow past twice that
     prompts = [torch.randint(1, 96, (n,), generator=g).tolist() for n in (3, 11, 150)]
-    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
     ref = Engine(target8, max_batch=1, max_len=200).generate(
         [Request(p, params, "none") for p in prompts])
     for batch in (1, 3):
@@ -235,7 +235,7 @@ def test_validation_walk_counts_what_serving_counts(target8, tmp_path, kind, voc
     model.vocab_ids.copy_(torch.tensor(vocab))
     save_draft(tmp_path / kind, cfg, model.state_dict())
     prompt = torch.randint(1, 96, (3,), generator=torch.Generator().manual_seed(7)).tolist()
-    params = SamplingParams(max_new_tokens=60, ignore_eos=True)
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
     out = Engine(target8, max_batch=1, max_len=200, drafts=str(tmp_path)).generate(
         [Request(prompt, params, kind)])[0]
     tokens = prompt + out.tokens
@@ -258,7 +258,7 @@ def test_sampling_with_trained_drafter_is_seeded(target8, tmp_path):
     eng = Engine(target8, max_batch=2, max_len=128, drafts=str(tmp_path))
 
     def run(seed, drafter="dfly"):
-        p = SamplingParams(max_new_tokens=30, temperature=0.9, top_p=0.95, seed=seed, ignore_eos=True)
+        p = SamplingParams(max_tokens=30, temperature=0.9, top_p=0.95, seed=seed, ignore_eos=True)
         return eng.generate([Request([5, 6, 7], p, drafter)])[0].tokens
     assert run(1) == run(1) == run(1, "none")
     assert run(1) != run(2)
@@ -272,7 +272,7 @@ def test_serving_options(target8, tmp_path):
     assert eng.drafter("dfly:draft_len=2").draft_len == 2
     assert eng.drafter("dfly:rescore_top_k=16").cfg.rescore_top_k == 16
     assert len(eng.drafter("dfly:draft_vocab=0").frozen.vocab_ids) == 97
-    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
     outs = [eng.generate([Request([3, 4, 5], params, d)])[0] for d in
             ("none", "dfly:draft_len=2", "dfly:rescore_top_k=16", "dfly:draft_vocab=0")]
     assert all(o.tokens == outs[0].tokens for o in outs)

@@ -14,7 +14,8 @@ from angelspec.drafters import Datastore
 from angelspec.drafters.draft_checkpoint import save_draft
 from angelspec.plugins import amx_available
 from angelspec.runtime import Engine, Request, SamplingParams
-from angelspec.runtime.engine_dir import EngineError, load_engine, read_manifest, sha256
+from angelspec.runtime.engine_dir import load_engine
+from angelspec.runtime.manifest import EngineError, read_manifest, sha256
 
 
 @pytest.fixture(scope="module")
@@ -44,20 +45,20 @@ def parts(tmp_path_factory):
 def test_manifest_names_every_part_with_checksums(parts):
     root, _, m = parts
     assert m == read_manifest(root / "engine")
-    assert set(m["drafters"]) == {"mtp", "dfly", "dflash", "ngram"}
-    assert m["defaults"] == {"drafter": "auto", "dcut": True}
-    assert m["drafters"]["ngram"]["path"] == "drafts/ngram"
+    assert set(m.drafters) == {"mtp", "dfly", "dflash", "ngram"}
+    assert (m.defaults.drafter, m.defaults.dcut) == ("auto", True)
+    assert m.drafters["ngram"].path == "drafts/ngram"
     assert {"target/model.safetensors", "drafts/dfly/model.safetensors", "router.safetensors",
             "drafts/ngram/datastore.safetensors",
-            "trtllm/speculative.yaml", "trtllm/dflash/model.safetensors"} <= set(m["files"])
-    assert m["backend"]["chosen"] == "eager" and m["dcut"]["profile"]["n"][-1] == 16
-    assert m["router"]["accuracy"]["heldout"]["n"] == 6
-    assert m["fingerprint"]["torch"] == torch.__version__
+            "trtllm/speculative.yaml", "trtllm/dflash/model.safetensors"} <= set(m.files)
+    assert m.backend.chosen == "eager" and m.dcut.profile["n"][-1] == 16
+    assert m.router["accuracy"]["heldout"]["n"] == 6
+    assert m.fingerprint["torch"] == torch.__version__
     # weights auto: bf16 on a CPU with AMX tiles (this random float32 checkpoint then rounded)
     dtype = "bfloat16" if amx_available() else "float32"
-    assert m["weights"]["dtype"] == m["fingerprint"]["weights"] == dtype
-    assert not m["weights"]["checkpoint_is_bf16"]
-    assert m["drafters"]["ngram"]["max_draft_len"] in (3, 5, 7)
+    assert m.weights.dtype == m.fingerprint["weights"] == dtype
+    assert not m.weights.checkpoint_is_bf16
+    assert m.drafters["ngram"].draft_len in (3, 5, 7)
 
 
 @pytest.mark.skipif(not amx_available(), reason="no AMX-BF16 tiles on this CPU")
@@ -65,12 +66,12 @@ def test_bf16_engine_loads_packed_and_serves_losslessly(parts, tmp_path):
     root, _, _ = parts
     m = build(str(root / "target"), str(root / "drafts"), str(tmp_path / "engine"), None,
               drafters=[], backends=("eager",), max_tokens=8, weights="bfloat16")
-    assert m["weights"]["dtype"] == "bfloat16" and m["fingerprint"]["weights"] == "bfloat16"
+    assert m.weights.dtype == "bfloat16" and m.fingerprint["weights"] == "bfloat16"
     eng = load_engine(tmp_path / "engine", max_batch=2, max_len=200)
     assert eng.target.model.weights == "bfloat16"
     g = torch.Generator().manual_seed(8)
     prompts = [torch.randint(1, 96, (n,), generator=g).tolist() for n in (5, 30)]
-    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
     ref = Engine(eng.target, max_batch=1, max_len=200).generate(
         [Request(p, params, "ar") for p in prompts])
     out = eng.generate([Request(p, params, "ngram") for p in prompts])
@@ -84,7 +85,7 @@ def test_engine_serves_every_drafter_losslessly(parts):
     assert eng.drafter("ngram").datastore.table == Datastore.load(root / "drafts" / "ngram").table
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(1, 96, (n,), generator=g).tolist() for n in (3, 11, 40)]
-    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
     # the reference: batch-1 autoregressive decoding of the engine's own weights (bf16 on AMX)
     ref = Engine(eng.target, max_batch=1, max_len=200).generate(
         [Request(p, params, "ar") for p in prompts])
@@ -197,7 +198,7 @@ def test_bench_cli_with_engine_concurrency_dcut_and_auto(parts, tmp_path):
     root, _, _ = parts
     out = tmp_path / "r.json"
     cmd = [sys.executable, "-m", "angelspec.cli", "bench", "--engine", str(root / "engine"),
-           "--prompts", str(root / "data" / "heldout.jsonl"), "--max-new-tokens", "16",
+           "--prompts", str(root / "data" / "heldout.jsonl"), "--max-tokens", "16",
            "--drafters", "ar,ngram,dfly,auto", "--concurrency", "2", "--dcut", "both",
            "--rounds", "2", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -223,7 +224,7 @@ def test_bench_sampled_checks_every_drafter_against_the_seeded_ar_sample(parts):
 
     root, _, _ = parts
     prompts = load_prompts(root / "data" / "heldout.jsonl")
-    sampled = bench(None, prompts, ["ngram", "dfly", "auto"], max_new=16, batch_size=2,
+    sampled = bench(None, prompts, ["ngram", "dfly", "auto"], max_tokens=16, batch_size=2,
                     engine_dir=str(root / "engine"), dcut="on", temperature=1.0, top_p=0.95)
     assert sampled["config"]["temperature"] == 1.0 and not sampled["config"]["greedy"]
     assert all(r["lossless"] and r["near_ties"] == 0 for r in sampled["results"])
@@ -240,13 +241,13 @@ def test_generate_cli_decodes_as_the_engine_serves(parts):
 
     root, _, _ = parts
     cmd = [sys.executable, "-m", "angelspec.cli", "generate", "--engine", str(root / "engine"),
-           "--prompt", "hello there", "--no-chat", "--max-new-tokens", "12", "--max-len", "200"]
+           "--prompt", "hello there", "--no-chat", "--max-tokens", "12", "--max-len", "200"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "[auto]" in proc.stderr  # the engine's default drafter
     eng = load_engine(root / "engine", max_batch=1, max_len=200)
     ids = eng.target.tokenizer.encode("hello there", add_special_tokens=False)
-    ref = eng.generate([Request(ids, SamplingParams(max_new_tokens=12), "none")])[0]
+    ref = eng.generate([Request(ids, SamplingParams(max_tokens=12), "none")])[0]
     assert proc.stdout == eng.target.decode(ref.tokens) + "\n"
 
 
@@ -268,7 +269,7 @@ def test_trtllm_export_follows_the_documented_format(parts, tmp_path):
     assert spec["max_draft_len"] <= 5  # the tiny drafts have block size 6
     cfg = json.loads((tmp_path / "trt" / "dflash" / "config.json").read_text())
     assert cfg["block_size"] == cfg["dflash_config"]["block_size"] == 6
-    assert cfg["dflash_config"]["target_layer_ids"] == [l - 1 for l in m["drafters"]["dflash"]["target_layer_ids"]]
+    assert cfg["dflash_config"]["target_layer_ids"] == [l - 1 for l in m.drafters["dflash"].target_layer_ids]
     w = load_file(str(tmp_path / "trt" / "dflash" / "model.safetensors"))
     layer = {"input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
              "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}
@@ -303,7 +304,23 @@ def test_compiled_backend_is_measured_and_stays_lossless(tmp_path):
     try:
         oracle = NoisyOracle({tuple(p): r for p, r in zip(ps, ref)}, 4)
         eng = Engine(target, max_batch=2, max_len=256, drafters={"oracle": oracle})
-        out = eng.generate([Request(p, SamplingParams(max_new_tokens=20), "oracle") for p in ps])
+        out = eng.generate([Request(p, SamplingParams(max_tokens=20), "oracle") for p in ps])
         assert [r.tokens for r in out] == ref
     finally:
         use_backend(target.model, "eager")
+
+
+def test_manifest_fields_are_typed_and_checked(parts, tmp_path):
+    """engine.json is read into EngineManifest field by field: an unknown, missing or mistyped
+    field is refused by name with "rebuild the engine"."""
+    root, _, _ = parts
+    for change, message in ((lambda m: m.__setitem__("extra", 1), r"unknown fields \['extra'\]"),
+                            (lambda m: m.pop("defaults"), r"missing fields \['defaults'\]"),
+                            (lambda m: m["defaults"].__setitem__("dcut", "yes"), "defaults: dcut: expected bool"),
+                            (lambda m: m["drafters"]["ngram"].__setitem__("draft_len", "3"),
+                             "drafters.ngram: draft_len: expected int")):
+        eng = tmp_path / f"e{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(root / "engine", eng)
+        _rewrite(eng, change)
+        with pytest.raises(EngineError, match=message + ".*rebuild the engine"):
+            read_manifest(eng, verify=False)

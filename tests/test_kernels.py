@@ -101,7 +101,7 @@ def test_bf16_weights_serve_losslessly_and_the_checkpoint_unchanged(tmp_path):
             layer[k] = layer[k].bfloat16().float()
     m.embed = m.lm_head = m.head_w = m.embed.bfloat16().float()
     assert m.bf16_exact()
-    p = SamplingParams(max_new_tokens=24)
+    p = SamplingParams(max_tokens=24)
     ps = [[5, 9, 14, 5, 9], [3] * 12, list(range(1, 40))]
     bytes32 = m.weight_bytes()
     m.pack_bf16()

@@ -36,9 +36,9 @@ def prompts(n, vocab=97, seed=0):
     return [torch.randint(0, vocab - 1, (L,), generator=g).tolist() for L in lengths]
 
 
-def autoregressive(target, ps, max_new):
+def autoregressive(target, ps, max_tokens):
     eng = Engine(target, max_batch=1, max_len=256)
-    return [eng.generate([Request(p, SamplingParams(max_new_tokens=max_new), "ar")])[0].tokens
+    return [eng.generate([Request(p, SamplingParams(max_tokens=max_tokens), "ar")])[0].tokens
             for p in ps]
 
 
@@ -50,7 +50,7 @@ def test_greedy_speculative_output_equals_autoregressive(tiny, batch, draft_len)
     oracle = NoisyOracle({tuple(p): r for p, r in zip(ps, ref)}, draft_len, seed=draft_len)
     eng = Engine(tiny, max_batch=batch, max_len=256, draft_len=draft_len,
                  drafters={"oracle": oracle})
-    params = SamplingParams(max_new_tokens=40)
+    params = SamplingParams(max_tokens=40)
     for drafter in ["ngram", "oracle"]:
         eng.drafters["ngram"] = type(eng.drafter("ngram"))(draft_len=draft_len)
         results = eng.generate([Request(p, params, drafter) for p in ps])
@@ -72,7 +72,7 @@ def test_seeded_sampling_equals_the_autoregressive_sample_whatever_is_drafted(ti
     from angelspec.runtime.cost import CostTable, fingerprint
 
     ps = prompts(6)
-    params = [SamplingParams(max_new_tokens=30, temperature=0.8, top_p=0.95, seed=i) for i in range(6)]
+    params = [SamplingParams(max_tokens=30, temperature=0.8, top_p=0.95, seed=i) for i in range(6)]
     ar = Engine(tiny, max_batch=1, max_len=256)
     ref = [ar.generate([Request(p, q, "ar")])[0].tokens for p, q in zip(ps, params)]
     oracle = NoisyOracle({tuple(p): r for p, r in zip(ps, ref)}, 5, seed=2)
@@ -98,7 +98,7 @@ def test_ngram_with_a_datastore_is_lossless(tiny, batch):
     store = Datastore.build([p + r for p, r in zip(ps[:3], ref[:3])] + prompts(6, seed=1))
     eng = Engine(tiny, max_batch=batch, max_len=256,
                  drafters={"ngram": NgramDrafter(draft_len=4, datastore=store)})
-    results = eng.generate([Request(p, SamplingParams(max_new_tokens=40), "ngram") for p in ps])
+    results = eng.generate([Request(p, SamplingParams(max_tokens=40), "ngram") for p in ps])
     assert [r.tokens for r in results] == ref
     assert sum(r.stats.accepted for r in results[:3]) > sum(r.stats.accepted for r in results[3:])
 
@@ -108,7 +108,7 @@ def test_kv_rollback_leaves_cache_equal_to_fresh_prefill(tiny):
     ref = autoregressive(tiny, ps, 30)
     oracle = NoisyOracle({tuple(p): r for p, r in zip(ps, ref)}, 5, p_wrong=0.5)
     eng = Engine(tiny, max_batch=3, max_len=128, drafters={"oracle": oracle})
-    stream = eng.stream([Request(p, SamplingParams(max_new_tokens=30), "oracle") for p in ps])
+    stream = eng.stream([Request(p, SamplingParams(max_tokens=30), "oracle") for p in ps])
     committed = {i: list(p) for i, p in enumerate(ps)}
     checked = 0
     for ev in stream:
@@ -134,7 +134,7 @@ def test_requests_finish_at_different_steps_and_free_their_slots(tiny):
     ref = autoregressive(tiny, ps, 25)
     eng = Engine(tiny, max_batch=2, max_len=256)  # 6 requests through 2 slots
     lengths = [5, 25, 1, 12, 25, 3]
-    reqs = [Request(p, SamplingParams(max_new_tokens=n), "ngram") for p, n in zip(ps, lengths)]
+    reqs = [Request(p, SamplingParams(max_tokens=n), "ngram") for p, n in zip(ps, lengths)]
     results = eng.generate(reqs)
     assert [r.tokens for r in results] == [r[:n] for r, n in zip(ref, lengths)]
     eos = tiny.config.eos_token_ids[0]
@@ -147,7 +147,7 @@ def test_stop_tokens_end_a_request_and_are_included(tiny):
     stop = ref[10]
     first = ref.index(stop)
     res = Engine(tiny, max_batch=1).generate(
-        [Request(p, SamplingParams(max_new_tokens=30, stop_token_ids=[stop]), "ngram")])[0]
+        [Request(p, SamplingParams(max_tokens=30, stop_token_ids=[stop]), "ngram")])[0]
     assert res.tokens == ref[: first + 1] and res.finish_reason == "stop"
 
 
@@ -159,7 +159,7 @@ def test_greedy_lossless_on_default_target(default_target):
     ref = autoregressive(default_target, ps, 40)
     for batch in (1, 3):
         eng = Engine(default_target, max_batch=batch, max_len=256, draft_len=5)
-        out = eng.generate([Request(p, SamplingParams(max_new_tokens=40), "ngram") for p in ps])
+        out = eng.generate([Request(p, SamplingParams(max_tokens=40), "ngram") for p in ps])
         assert [r.tokens for r in out] == ref
 
 
@@ -168,5 +168,5 @@ def test_packed_prefill_of_short_and_long_prompts_stays_exact(tiny):
     ps = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (150, 5, 140, 60, 70)]
     ref = autoregressive(tiny, ps, 20)
     eng = Engine(tiny, max_batch=5, max_len=256)
-    out = eng.generate([Request(p, SamplingParams(max_new_tokens=20), "ngram") for p in ps])
+    out = eng.generate([Request(p, SamplingParams(max_tokens=20), "ngram") for p in ps])
     assert [r.tokens for r in out] == ref

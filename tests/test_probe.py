@@ -75,7 +75,7 @@ def reference(probe, text, n):
         probe["local"] = load_engine(probe["engine"], max_batch=1, max_len=4096)
     eng = probe["local"]
     ids = eng.target.encode_chat(text)
-    return eng.target.decode(eng.generate([Request(ids, SamplingParams(max_new_tokens=n), "none")])[0].tokens)
+    return eng.target.decode(eng.generate([Request(ids, SamplingParams(max_tokens=n), "none")])[0].tokens)
 
 
 def metric(probe, name) -> float:

@@ -109,8 +109,8 @@ def test_top_p_on_a_large_vocabulary_equals_the_full_sort_row_by_row():
 
 
 @pytest.mark.parametrize("bad, match", [
-    (dict(max_new_tokens=0), "max_new_tokens"), (dict(max_new_tokens=-3), "max_new_tokens"),
-    (dict(max_new_tokens=2.5), "max_new_tokens"), (dict(temperature=-0.1), "temperature"),
+    (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-3), "max_tokens"),
+    (dict(max_tokens=2.5), "max_tokens"), (dict(temperature=-0.1), "temperature"),
     (dict(temperature=math.nan), "temperature"), (dict(temperature=math.inf), "temperature"),
     (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=-1), "top_k"),
     (dict(seed=-1), "seed"), (dict(temperature="hot"), "temperature"),
@@ -124,7 +124,7 @@ def test_same_seed_same_sample_different_seeds_differ(tiny):
     eng = Engine(tiny, max_batch=2)
 
     def run(seed, drafter="ngram"):
-        p = SamplingParams(max_new_tokens=30, temperature=1.0, seed=seed)
+        p = SamplingParams(max_tokens=30, temperature=1.0, seed=seed)
         return eng.generate([Request([5, 6, 7, 8], p, drafter)])[0].tokens
 
     assert run(1) == run(1) == run(1, "none")

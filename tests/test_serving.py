@@ -92,7 +92,7 @@ def reference(server, text, n, drafter="none"):
         server["local"] = load_engine(server["engine"], max_batch=1, max_len=512)
     eng = server["local"]
     ids = eng.target.tokenizer.encode(text, add_special_tokens=False)
-    out = eng.generate([Request(ids, SamplingParams(max_new_tokens=n), drafter)])[0]
+    out = eng.generate([Request(ids, SamplingParams(max_tokens=n), drafter)])[0]
     return eng.target.decode(out.tokens)
 
 

@@ -30,7 +30,7 @@ def test_an_engine_leaves_the_callers_thread_count_alone(tiny):
     eng = Engine(tiny, max_batch=1, max_len=64, cost=profile(tiny.model, max_tokens=4))
     eng.governor.n = eng.governor.reduced  # as after a stall
     before = torch.get_num_threads()
-    eng.generate([Request([3, 4], SamplingParams(max_new_tokens=4))])
+    eng.generate([Request([3, 4], SamplingParams(max_tokens=4))])
     assert torch.get_num_threads() == before
 
 

@@ -1,4 +1,5 @@
 """The trainers end to end on a tiny target: recipes, loss goes down, resume, torchrun/DDP."""
+import dataclasses
 import json
 import os
 import pathlib
@@ -11,7 +12,8 @@ from conftest import make_checkpoint
 from angelspec.checkpoint import load_target
 from angelspec.drafters.draft_checkpoint import load_draft
 from angelspec.training.data import build
-from angelspec.training.train import load_recipe, train, use_bf16
+from angelspec.training.recipe import load_recipe
+from angelspec.training.train import train, use_bf16
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +22,7 @@ def tiny_data(tmp_path_factory):
     root = tmp_path_factory.mktemp("training")
     make_checkpoint(root / "target", num_hidden_layers=8, seed=3)
     target = load_target(root / "target", max_len=512)
-    build(target, root / "data", {"chat": 8, "code": 8, "math": 8}, heldout=1, max_new_tokens=32,
+    build(target, root / "data", {"chat": 8, "code": 8, "math": 8}, heldout=1, max_tokens=32,
           max_prompt_tokens=200, batch_size=4, shard_size=8, progress=False)
     return target, root
 
@@ -38,16 +40,22 @@ def log_rows(out) -> list[dict]:
 
 def test_recipes_resolve_and_reject_mistakes():
     fly, flash = load_recipe("dfly"), load_recipe("dflash")
-    assert (fly["hybrid"], fly["ar_head"]) == (True, True)
-    assert (flash["hybrid"], flash["ar_head"], flash["kind"]) == (False, False, "dflash")
-    assert {k: v for k, v in fly.items() if k not in ("hybrid", "ar_head", "kind", "out")} == \
-        {k: v for k, v in flash.items() if k not in ("hybrid", "ar_head", "kind", "out")}
+    assert (fly.hybrid, fly.ar_head) == (True, True)
+    assert (flash.hybrid, flash.ar_head, flash.kind) == (False, False, "dflash")
+    assert {k: v for k, v in fly.to_dict().items() if k not in ("hybrid", "ar_head", "kind", "out")} == \
+        {k: v for k, v in flash.to_dict().items() if k not in ("hybrid", "ar_head", "kind", "out")}
     for name in ("mtp", "dfly", "dflash"):
-        assert load_recipe(name, "quick")["steps"] < load_recipe(name, "full")["steps"]
-    assert load_recipe("dflash", "quick")["steps"] == load_recipe("dfly", "quick")["steps"]
-    assert load_recipe("mtp", overrides=["lr=5e-4"])["lr"] == 5e-4
-    with pytest.raises(ValueError, match="no key 'learning_rate'"):
+        assert load_recipe(name, "quick").steps < load_recipe(name, "full").steps
+    assert load_recipe("dflash", "quick").steps == load_recipe("dfly", "quick").steps
+    assert load_recipe("mtp", overrides=["lr=5e-4"]).lr == 5e-4
+    with pytest.raises(ValueError, match="unknown key.s. learning_rate; the keys are .*batch_size"):
         load_recipe("mtp", overrides=["learning_rate=1"])
+    with pytest.raises(ValueError, match="steps must be int, got 'many'"):
+        load_recipe("mtp", overrides=["steps=many"])
+    with pytest.raises(ValueError, match="domains .'poetry'.: a non-empty subset of chat, code, math"):
+        load_recipe("mtp", overrides=['domains=["poetry"]'])
+    with pytest.raises(ValueError, match="lr -0.1: must be positive"):
+        load_recipe("mtp", overrides=["lr=-0.1"])
     with pytest.raises(ValueError, match="unknown recipe 'eagle'"):
         load_recipe("eagle")
     assert (use_bf16("bf16"), use_bf16("none")) == (True, False)
@@ -60,11 +68,11 @@ def test_training_reduces_the_loss(tiny_data, kind):
     target, root = tiny_data
     r = recipe(kind, root, steps=40, lr=3e-3, **({} if kind == "mtp" else {"tv_fraction": 0.0}))
     train(r, target, progress=False, restart=True)
-    rows = log_rows(r["out"])
+    rows = log_rows(r.out)
     first = sum(x["loss"] for x in rows[:5]) / 5
     last = sum(x["loss"] for x in rows[-5:]) / 5
     assert last < 0.8 * first, (first, last)
-    cfg, _ = load_draft(r["out"], target)
+    cfg, _ = load_draft(r.out, target)
     assert (cfg.kind, cfg.trained_steps, cfg.target) == (kind, 40, str(target.path))
 
 
@@ -89,20 +97,19 @@ def test_ngram_recipe_builds_the_datastore_from_the_targets_responses(tiny_data)
 
 def test_training_resumes(tiny_data):
     target, root = tiny_data
-    r = recipe("dfly", root, steps=6, save_every=3)
-    r["out"] = str(root / "drafts" / "resume")
+    r = recipe("dfly", root, steps=6, save_every=3, out=str(root / "drafts" / "resume"))
     train(r, target, progress=False, restart=True)
-    assert [x["step"] for x in log_rows(r["out"])] == [1, 2, 3, 4, 5, 6]
-    train({**r, "steps": 9}, target, progress=False)  # longer budget: continues from 6
-    assert [x["step"] for x in log_rows(r["out"])][6:] == [7, 8, 9]
-    assert train({**r, "steps": 9}, target, progress=False)["step"] == 9  # done: no new work
-    assert len(log_rows(r["out"])) == 9
-    assert load_draft(r["out"])[0].trained_steps == 9
+    assert [x["step"] for x in log_rows(r.out)] == [1, 2, 3, 4, 5, 6]
+    train(dataclasses.replace(r, steps=9), target, progress=False)  # longer budget: continues from 6
+    assert [x["step"] for x in log_rows(r.out)][6:] == [7, 8, 9]
+    assert train(dataclasses.replace(r, steps=9), target, progress=False)["step"] == 9  # done: no new work
+    assert len(log_rows(r.out)) == 9
+    assert load_draft(r.out)[0].trained_steps == 9
     # --eval: the saved draft's held-out metrics, the same as the last step logged
     ev = train(r, target, progress=False, only_eval=True)
-    assert ev["step"] == 9 and ev["val_tau"] == log_rows(r["out"])[-1]["val_tau"] >= 1
+    assert ev["step"] == 9 and ev["val_tau"] == log_rows(r.out)[-1]["val_tau"] >= 1
     with pytest.raises(ValueError, match="holds a dfly draft, not mtp"):
-        train({**recipe("mtp", root), "out": r["out"]}, target, progress=False, only_eval=True)
+        train(dataclasses.replace(recipe("mtp", root), out=r.out), target, progress=False, only_eval=True)
 
 
 def test_torchrun_two_processes_keep_identical_weights(tiny_data):

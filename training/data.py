@@ -37,6 +37,7 @@ from angelspec.checkpoint import Target
 from angelspec.default_target import load_target_or_default
 from angelspec.drafters.target_layers import training_layers
 from angelspec.model import Segment
+from angelspec.prompts import DOMAINS
 from angelspec.runtime.backend import choose_weights
 from angelspec.runtime.engine import Engine, Request
 from angelspec.sampling import SamplingParams
@@ -44,7 +45,6 @@ from angelspec.training.sources import HELDOUT_EVERY, held_out
 from angelspec.training.sources import prompts as draw_prompts
 
 FORMAT = 1
-DOMAINS = ("chat", "code", "math")
 GENERATION_BEFORE = {"weights": "float32"}  # generation settings of folders older than the key
 
 
@@ -101,7 +101,7 @@ def _prompt_sets(target, out, counts, heldout, max_prompt_tokens, seed):
 def _generate(engine, target, rows, gen, first, bar, speed):
     """Responses for one shard's prompts -> list of (prompt ids, response ids)."""
     reqs = [Request(target.encode_chat(r["prompt"]),
-                    SamplingParams(max_new_tokens=gen["max_new_tokens"],
+                    SamplingParams(max_tokens=gen["max_tokens"],
                                    temperature=gen["temperature"], seed=gen["seed"] + first + i),
                     drafter=gen["drafter"]) for i, r in enumerate(rows)]
     outs, t0 = [[] for _ in reqs], time.perf_counter()
@@ -189,7 +189,7 @@ def _open_manifest(out: pathlib.Path, new: dict) -> dict:
     return old
 
 
-def build(target: Target, out_dir, counts: dict[str, int], heldout: int, max_new_tokens: int,
+def build(target: Target, out_dir, counts: dict[str, int], heldout: int, max_tokens: int,
           max_prompt_tokens: int, batch_size: int = 64, temperature: float = 0.0, seed: int = 0,
           shard_size: int = 64, progress: bool = True, weights: str = "auto") -> dict:
     """Build (or resume) a data folder; returns the manifest. weights: the dtype of the target's
@@ -205,7 +205,7 @@ def build(target: Target, out_dir, counts: dict[str, int], heldout: int, max_new
         target = dataclasses.replace(target, model=target.model.bf16_copy())
     cfg, model = target.config, target.model
     layers = training_layers(cfg.num_layers)
-    gen = dict(max_new_tokens=max_new_tokens, temperature=float(temperature), seed=seed,
+    gen = dict(max_tokens=max_tokens, temperature=float(temperature), seed=seed,
                batch_size=batch_size, drafter="ngram", max_prompt_tokens=max_prompt_tokens,
                weights=dtype)
     requested = dict(counts={d: counts.get(d, 0) for d in DOMAINS}, heldout=heldout,
@@ -231,7 +231,7 @@ def build(target: Target, out_dir, counts: dict[str, int], heldout: int, max_new
     for k in todo:
         if engine is None:  # only when there is work: a finished folder needs no target runs
             engine = Engine(target, max_batch=batch_size,
-                            max_len=max_prompt_tokens + max_new_tokens + 1)
+                            max_len=max_prompt_tokens + max_tokens + 1)
             cache = model.new_cache(4, engine.max_len)
         rows = chunks[k]
         t0 = speed["s"]
@@ -336,7 +336,7 @@ def add_arguments(p) -> None:
         p.add_argument(f"--{d}", type=int, default=1000, metavar="N", help=f"{d} prompts")
     p.add_argument("--heldout", type=int, default=20, metavar="N",
                    help="held-out prompts per domain, written to heldout.jsonl for benchmarks")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="response length limit")
+    p.add_argument("--max-tokens", type=int, default=256, help="response length limit")
     p.add_argument("--max-prompt-tokens", type=int, default=512,
                    help="longer prompts (chat-encoded) are dropped")
     p.add_argument("--batch-size", type=int, default=64, help="requests generated together")
@@ -353,7 +353,7 @@ def add_arguments(p) -> None:
 def run(args) -> int:
 
     m = build(load_target_or_default(args.target), args.out, {d: getattr(args, d) for d in DOMAINS},
-              args.heldout, args.max_new_tokens, args.max_prompt_tokens, args.batch_size,
+              args.heldout, args.max_tokens, args.max_prompt_tokens, args.batch_size,
               args.temperature, args.seed, args.shard_size, weights=args.weights)
     t = m["totals"]
     print(f"{args.out}: {t['sequences']} sequences, {t['tokens']} tokens "

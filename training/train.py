@@ -28,57 +28,12 @@ from angelspec.drafters.modules import Frozen
 from angelspec.drafters.mtp import MTP
 from angelspec.drafters.target_layers import dfly_layers, mtp_layers
 from angelspec.plugins import amx_available
-from angelspec.training.data import DOMAINS, Sequences, ensure_teachers, load, target_hash
+from angelspec.prompts import DOMAINS
+from angelspec.training.data import Sequences, ensure_teachers, load, target_hash
 from angelspec.training.objectives import accepted_at, block_objective, cosine_lr, sample_anchors, ttt_rollout, walk
+from angelspec.training.recipe import Recipe, load_recipe
 
-RECIPES = pathlib.Path(__file__).with_name("recipes")
 MODELS = {"mtp": MTP, "dfly": DFly, "dflash": DFly}
-
-
-# -- recipes ---------------------------------------------------------------------------------
-def parse_value(text: str):
-    """A YAML value; numbers like 5e-4 (a string to YAML 1.1) become floats."""
-    value = yaml.safe_load(text)
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            pass
-    return value
-
-
-def read_recipe(name: str) -> dict:
-    """A recipe's YAML (name in training/recipes or a path), its `inherit` base merged in."""
-    path = pathlib.Path(name)
-    if not path.suffix:
-        path = RECIPES / f"{name}.yaml"
-    if not path.exists():
-        known = ", ".join(sorted(p.stem for p in RECIPES.glob("*.yaml")))
-        raise ValueError(f"unknown recipe {name!r}: known recipes are {known}, or a YAML path")
-    raw = yaml.safe_load(path.read_text())
-    if "inherit" in raw:
-        base = read_recipe(raw.pop("inherit"))
-        presets = {**base.pop("presets", {}), **raw.pop("presets", {})}
-        raw = {**base, **raw, "presets": presets}
-    return raw
-
-
-def load_recipe(name: str, preset: str | None = None, overrides: list[str] = ()) -> dict:
-    """A recipe with its preset and key=value overrides applied."""
-    raw = read_recipe(name)
-    presets = raw.pop("presets", {})
-    if preset:
-        if preset not in presets:
-            raise ValueError(f"recipe {name} has no preset {preset!r} (has: {', '.join(presets)})")
-        raw.update(presets[preset])
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"override {item!r} must look like key=value")
-        if key not in raw:
-            raise ValueError(f"recipe {name} has no key {key!r} (keys: {', '.join(sorted(raw))})")
-        raw[key] = parse_value(value)
-    return raw
 
 
 # -- data ------------------------------------------------------------------------------------
@@ -152,34 +107,34 @@ def use_bf16(autocast: str) -> bool:
     return autocast == "bf16"
 
 
-def draft_config(recipe: dict, target) -> DraftConfig:
-    kind = recipe["kind"]
+def draft_config(recipe: Recipe, target) -> DraftConfig:
+    kind = recipe.kind
     n = target.config.num_layers
     if kind == "mtp":
-        extra = dict(target_layers=mtp_layers(n), num_layers=1, draft_len=recipe["draft_len"])
+        extra = dict(target_layers=mtp_layers(n), num_layers=1, draft_len=recipe.draft_len)
     else:
-        b = recipe["block_size"]
-        extra = dict(target_layers=dfly_layers(n), num_layers=recipe["num_layers"], block_size=b,
-                     draft_len=b - 1, hybrid=recipe["hybrid"], ar_head=recipe["ar_head"],
-                     prior_sharpness=recipe["prior_sharpness"])
-    vocab = recipe["draft_vocab"] if 0 < recipe["draft_vocab"] < target.config.vocab_size else 0
+        b = recipe.block_size
+        extra = dict(target_layers=dfly_layers(n), num_layers=recipe.num_layers, block_size=b,
+                     draft_len=b - 1, hybrid=recipe.hybrid, ar_head=recipe.ar_head,
+                     prior_sharpness=recipe.prior_sharpness)
+    vocab = recipe.draft_vocab if 0 < recipe.draft_vocab < target.config.vocab_size else 0
     return DraftConfig.for_target(target, kind, draft_vocab=vocab, **extra)
 
 
 class Objective(torch.nn.Module):
     """The draft plus its loss, as one module: DistributedDataParallel wraps this."""
 
-    def __init__(self, model, fz: Frozen, recipe: dict):
+    def __init__(self, model, fz: Frozen, recipe: Recipe):
         super().__init__()
         self.model, self.fz, self.recipe = model, fz, recipe
 
     def forward(self, tokens, label_ok, feats, labels, anchors=None, valid=None, loss="ce"):
         r = self.recipe
-        if r["kind"] == "mtp":
-            return ttt_rollout(self.model, self.fz, tokens, label_ok, feats, r["ttt_steps"],
-                               r["draft_len"], labels)
+        if r.kind == "mtp":
+            return ttt_rollout(self.model, self.fz, tokens, label_ok, feats, r.ttt_steps,
+                               r.draft_len, labels)
         return block_objective(self.model, self.fz, tokens, label_ok, feats, anchors, valid,
-                               loss=loss, gamma=r["gamma"], labels=labels)
+                               loss=loss, gamma=r.gamma, labels=labels)
 
 
 def evaluate(model, fz, recipe, seqs, indices, layers) -> dict:
@@ -189,11 +144,11 @@ def evaluate(model, fz, recipe, seqs, indices, layers) -> dict:
     model.eval()
     totals, weight, committed, steps = {}, 0, 0, 0
     with torch.no_grad():
-        for i in range(0, len(indices), recipe["batch_size"]):
-            items = [seqs[j] for j in indices[i: i + recipe["batch_size"]]]
-            batch = collate(items, recipe["max_seq_len"], layers)[:3]
-            if recipe["kind"] == "mtp":
-                _, m = ttt_rollout(model, fz, *batch, recipe["ttt_steps"], recipe["draft_len"])
+        for i in range(0, len(indices), recipe.batch_size):
+            items = [seqs[j] for j in indices[i: i + recipe.batch_size]]
+            batch = collate(items, recipe.max_seq_len, layers)[:3]
+            if recipe.kind == "mtp":
+                _, m = ttt_rollout(model, fz, *batch, recipe.ttt_steps, recipe.draft_len)
             else:
                 g = torch.Generator().manual_seed(1234 + i)
                 anchors, valid = sample_anchors(batch[1], model.cfg.block_size, 64, g)
@@ -203,7 +158,7 @@ def evaluate(model, fz, recipe, seqs, indices, layers) -> dict:
                 totals[k] = totals.get(k, 0.0) + v
             weight += 1
             for it in items:
-                n = min(len(it["tokens"]), recipe["max_seq_len"])
+                n = min(len(it["tokens"]), recipe.max_seq_len)
                 feats = {l: f[:n] for l, f in it["features"].items()}
                 acc = accepted_at(model, fz, it["tokens"][:n], feats, it["prompt_len"],
                                   model.cfg.draft_len)
@@ -217,14 +172,14 @@ def evaluate(model, fz, recipe, seqs, indices, layers) -> dict:
 
 
 # -- the loop --------------------------------------------------------------------------------
-def build_datastore(recipe: dict, target, progress: bool = True) -> dict:
+def build_datastore(recipe: Recipe, target, progress: bool = True) -> dict:
     """The ngram drafter's datastore from the target's responses in the data folder (each from
     its prompt's last token on, so a response's opening is keyed by the chat template's end)."""
 
-    manifest, shards = load(recipe["data"], layers=[])
+    manifest, shards = load(recipe.data, layers=[])
     if manifest["target_hash"] != target_hash(target):
-        raise ValueError(f"{recipe['data']} was generated by another target than {target.path}")
-    wanted = {DOMAINS.index(d) for d in recipe["domains"]}
+        raise ValueError(f"{recipe.data} was generated by another target than {target.path}")
+    wanted = {DOMAINS.index(d) for d in recipe.domains}
     responses = []
     for s in shards:
         off, toks = s["offsets"].tolist(), s["tokens"].tolist()
@@ -233,43 +188,40 @@ def build_datastore(recipe: dict, target, progress: bool = True) -> dict:
                 responses.append(toks[off[j] + plen - 1: off[j + 1]])
     total = sum(len(r) for r in responses)
     with tqdm(total=total, desc="ngram datastore", unit="tok", disable=not progress) as bar:
-        store = Datastore.build(responses, recipe["max_ngram"], recipe["width"], bar.update)
-    out = pathlib.Path(recipe["out"])
+        store = Datastore.build(responses, recipe.max_ngram, recipe.width, bar.update)
+    out = pathlib.Path(recipe.out)
     store.save(out, {"target": str(target.path), "tokenizer_hash": target.tokenizer_hash(),
-                     "data": str(recipe["data"]), "domains": recipe["domains"],
+                     "data": str(recipe.data), "domains": recipe.domains,
                      "responses": len(responses), "tokens": total})
     return {"out": str(out), "responses": len(responses), "tokens": total, "entries": len(store.table)}
 
 
-def train(recipe: dict, target, progress: bool = True, restart: bool = False,
+def train(recipe: Recipe, target, progress: bool = True, restart: bool = False,
           only_eval: bool = False) -> dict:
     """Train (or resume) the recipe's draft; only_eval: the held-out metrics of the draft saved
     in the recipe's `out`, nothing trained."""
-    if recipe["kind"] == "ngram":
+    if recipe.kind == "ngram":
         return build_datastore(recipe, target, progress)
 
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    if recipe.get("threads"):
-        torch.set_num_threads(recipe["threads"])
-    out = pathlib.Path(recipe["out"])
+    if recipe.threads:
+        torch.set_num_threads(recipe.threads)
+    out = pathlib.Path(recipe.out)
     cfg = draft_config(recipe, target)
     layers = sorted(set(cfg.target_layers) | {target.config.num_layers})
-    if recipe.get("prompt_labels"):
-        ensure_teachers(recipe["data"], target, progress and rank == 0)
-    seqs = Sequences(recipe["data"], layers=layers, teacher=bool(recipe.get("prompt_labels")))
-    unknown = set(recipe["domains"]) - set(DOMAINS)
-    if unknown:
-        raise ValueError(f"unknown domains {sorted(unknown)} (known: {', '.join(DOMAINS)})")
-    wanted = {DOMAINS.index(d) for d in recipe["domains"]}
+    if recipe.prompt_labels:
+        ensure_teachers(recipe.data, target, progress and rank == 0)
+    seqs = Sequences(recipe.data, layers=layers, teacher=bool(recipe.prompt_labels))
+    wanted = {DOMAINS.index(d) for d in recipe.domains}
     chosen = [i for i in range(len(seqs)) if seqs.ids(i)["domain"] in wanted]
-    order = torch.randperm(len(chosen), generator=torch.Generator().manual_seed(recipe["seed"]))
+    order = torch.randperm(len(chosen), generator=torch.Generator().manual_seed(recipe.seed))
     chosen = [chosen[i] for i in order]
-    n_val = min(recipe["val_sequences"], len(chosen) // 5)
+    n_val = min(recipe.val_sequences, len(chosen) // 5)
     val, train_idx = chosen[:n_val], chosen[n_val:]
     if not train_idx:
-        raise ValueError(f"no training sequences of domains {recipe['domains']} in {recipe['data']}"
+        raise ValueError(f"no training sequences of domains {recipe.domains} in {recipe.data}"
                          ": run `angelspec data` with those domains")
 
     state_file = out / "train_state.pt"
@@ -288,32 +240,32 @@ def train(recipe: dict, target, progress: bool = True, restart: bool = False,
             return {"out": str(out), "step": cfg.trained_steps, "val_sequences": len(val),
                     **{k: round(v, 4) for k, v in metrics.items()}}
     else:
-        torch.manual_seed(recipe["seed"])
+        torch.manual_seed(recipe.seed)
         model = MODELS[cfg.kind](cfg)
         vocab = draft_vocab(seqs, train_idx, cfg.draft_vocab, cfg.vocab_size, target.eos_ids)
         model.vocab_ids.copy_(vocab)
         fz = Frozen(target.model, model.vocab_ids)
-        if recipe.get("init_from_target"):
+        if recipe.init_from_target:
             init_from_target(model, target, fz)
     objective = Objective(model, fz, recipe)
     wrapped = torch.nn.parallel.DistributedDataParallel(objective) if world > 1 else objective
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=recipe["lr"],
-                            weight_decay=recipe["weight_decay"], betas=(0.9, 0.95))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=recipe.lr,
+                            weight_decay=recipe.weight_decay, betas=(0.9, 0.95))
     step = 0
     if resume:
         st = torch.load(state_file, weights_only=False)
-        if st["recipe"]["data"] != recipe["data"]:
-            raise ValueError(f"{out} was trained on {st['recipe']['data']}, not {recipe['data']}: "
+        if st["recipe"]["data"] != recipe.data:
+            raise ValueError(f"{out} was trained on {st['recipe']['data']}, not {recipe.data}: "
                              "pass another out= or --restart")
         opt.load_state_dict(st["optimizer"])
         step = st["step"]
-    total = recipe["steps"]
+    total = recipe.steps
     if step >= total:
         if rank == 0:
             print(f"{out}: already trained for {step} steps (pass --restart to train again)")
         return {"step": step, "out": str(out)}
 
-    per_step = recipe["batch_size"] * world
+    per_step = recipe.batch_size * world
     per_epoch = max(1, len(train_idx) // per_step)
     log = None
     if rank == 0:
@@ -328,50 +280,50 @@ def train(recipe: dict, target, progress: bool = True, restart: bool = False,
         if rank == 0:
             cfg.trained_steps = step
             save_draft(out, cfg, model.state_dict())
-            torch.save({"step": step, "optimizer": opt.state_dict(), "recipe": recipe},
+            torch.save({"step": step, "optimizer": opt.state_dict(), "recipe": recipe.to_dict()},
                        state_file.with_suffix(".tmp"))
             state_file.with_suffix(".tmp").replace(state_file)
         if world > 1:
             dist.barrier()
 
-    tv_from = int(total * (1 - recipe.get("tv_fraction", 0.0))) if cfg.kind != "mtp" else total
-    bf16 = use_bf16(recipe.get("autocast", "none"))
+    tv_from = int(total * (1 - recipe.tv_fraction)) if cfg.kind != "mtp" else total
+    bf16 = use_bf16(recipe.autocast)
     bar = tqdm(total=total, initial=step, desc=f"train {cfg.kind}", disable=not progress or rank > 0)
     tokens_seen, t0 = 0, time.perf_counter()
     while step < total:
         epoch, k = divmod(step, per_epoch)
         perm = torch.randperm(len(train_idx), generator=torch.Generator().manual_seed(
-            recipe["seed"] * 1000 + epoch))
+            recipe.seed * 1000 + epoch))
         mine = [train_idx[int(j)] for j in perm[k * per_step: (k + 1) * per_step][rank::world]]
-        tokens, label_ok, feats, labels = collate([seqs[i] for i in mine], recipe["max_seq_len"],
-                                                  layers, bool(recipe.get("prompt_labels")))
+        tokens, label_ok, feats, labels = collate([seqs[i] for i in mine], recipe.max_seq_len,
+                                                  layers, bool(recipe.prompt_labels))
         extra = {}
         if cfg.kind != "mtp":
-            g = torch.Generator().manual_seed(recipe["seed"] * 7919 + step * 31 + rank)
+            g = torch.Generator().manual_seed(recipe.seed * 7919 + step * 31 + rank)
             extra = dict(zip(("anchors", "valid"),
-                             sample_anchors(label_ok, cfg.block_size, recipe["anchors"], g)))
+                             sample_anchors(label_ok, cfg.block_size, recipe.anchors, g)))
             extra["loss"] = "tv" if step >= tv_from else "ce"
         for group in opt.param_groups:
-            group["lr"] = recipe["lr"] * cosine_lr(step, total, recipe["warmup"])
+            group["lr"] = recipe.lr * cosine_lr(step, total, recipe.warmup)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             loss, metrics = wrapped(tokens, label_ok, feats, labels, **extra)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), recipe["grad_clip"])
+        torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
         opt.step()
         step += 1
         tokens_seen += int(label_ok.sum())
         row = {"step": step, "lr": opt.param_groups[0]["lr"],
                **{k: round(v, 4) for k, v in metrics.items()},
                "tokens_per_s": round(tokens_seen / (time.perf_counter() - t0), 1)}
-        if step % recipe["eval_every"] == 0 or step == total:
+        if step % recipe.eval_every == 0 or step == total:
             row.update({k: round(v, 4) for k, v in evaluate(model, fz, recipe, seqs, val, layers).items()})
         if log:
             log.write(json.dumps(row) + "\n")
             log.flush()
         bar.set_postfix({k: v for k, v in row.items() if k in ("loss", "acc", "acc1", "tau", "val_tau")})
         bar.update(1)
-        if step % recipe["save_every"] == 0 or step == total:
+        if step % recipe.save_every == 0 or step == total:
             save()
     bar.close()
     if world > 1:  # identical weights on every rank is what DDP promises: record it
@@ -398,7 +350,7 @@ def run(args) -> int:
 
     recipe = load_recipe(args.recipe, args.preset, args.overrides)
     if args.show:
-        print(yaml.safe_dump(recipe, sort_keys=False))
+        print(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
         return 0
     result = train(recipe, load_target_or_default(args.target), restart=args.restart, only_eval=args.eval)
     if int(os.environ.get("RANK", 0)) == 0:

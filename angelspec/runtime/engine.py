@@ -11,6 +11,7 @@ from typing import Iterator
 
 import torch
 
+from angelspec import DEFAULT_MAX_LEN
 from angelspec.checkpoint import Target
 from angelspec.drafters import Drafter, canonical, make_drafter, parse_spec
 from angelspec.model import Segment
@@ -19,6 +20,7 @@ from angelspec.plugins.verify import sample_inverse_cdf
 from angelspec.runtime.cost import CostTable, profile
 from angelspec.runtime.gate import DraftGate
 from angelspec.runtime.hooks import StepHooks
+from angelspec.runtime.manifest import EngineManifest
 from angelspec.runtime.request import DrafterView, Event, Request, RequestState, Result
 from angelspec.runtime.router import Router, route_cost
 from angelspec.runtime.stats import EngineStats, Stats
@@ -36,11 +38,12 @@ class Engine:
     draft_lens: draft length per drafter kind (an engine's tuned ngram length), below draft_len.
     """
 
-    def __init__(self, target: Target, max_batch: int = 8, max_len: int = 2048,
+    def __init__(self, target: Target, max_batch: int = 8, max_len: int = DEFAULT_MAX_LEN,
                  draft_len: int | None = None, drafters: dict[str, Drafter] | None = None,
                  drafts: str | None = None, dcut: bool = False, cost: CostTable | None = None,
                  router: Router | None = None, draft_lens: dict[str, int] | None = None,
-                 kinds: set[str] | None = None, max_drafters: int = 16, adapt_threads: bool = True):
+                 kinds: set[str] | None = None, max_drafters: int = 16, adapt_threads: bool = True,
+                 default_drafter: str = "none", manifest: EngineManifest | None = None):
         self.target, self.model = target, target.model
         self.max_batch = max_batch
         self.max_len = min(max_len, self.model.max_len)
@@ -51,6 +54,8 @@ class Engine:
         self.drafts = drafts  # folder of trained drafts (<drafts>/mtp, /dfly, /dflash)
         self.kinds = kinds  # the drafter kinds this engine serves (None: any that can be built)
         self.max_drafters = max_drafters  # drafter instances (names with options) at most
+        self.default_drafter = default_drafter  # a request's drafter when it names none
+        self.manifest = manifest  # the engine folder's, when loaded from one (engine_dir.py)
         self.dcut = dcut
         if dcut and cost is None:
             cost = profile(self.model, max_tokens=SKINNY_MAX_ROWS)
@@ -141,9 +146,9 @@ class Engine:
         default and none). A server does this before it says it is ready; a benchmark before it
         times anything."""
         ids = self.target.tokenizer.encode("Hello, world. Hello, world.", add_special_tokens=False) or [0]
-        for name in drafters or dict.fromkeys([getattr(self, "default_drafter", "none"), "none"]):
-            for params in (SamplingParams(max_new_tokens=8),
-                           SamplingParams(max_new_tokens=8, temperature=1.0, seed=0)):
+        for name in drafters or dict.fromkeys([self.default_drafter, "none"]):
+            for params in (SamplingParams(max_tokens=8),
+                           SamplingParams(max_tokens=8, temperature=1.0, seed=0)):
                 self.generate([Request(ids, params, name)])
 
     def generate(self, requests: list[Request]) -> list[Result]:
@@ -308,7 +313,7 @@ class Engine:
             if t in stops:
                 s.finish_reason = "stop"
                 break
-            if len(s.output) + len(kept) >= p.max_new_tokens or \
+            if len(s.output) + len(kept) >= p.max_tokens or \
                     len(s.tokens) + len(kept) >= self.max_len:
                 s.finish_reason = "length"
                 break

@@ -14,14 +14,11 @@ up, one of its requests drafts as a probe and refreshes the estimates. Skipping 
 always lossless: a request that does not draft gets its next token from the verification
 forward, exactly as `none`. Only used with D-cut (D-cut off means fixed draft lengths).
 
-A drafter whose drafting costs at most CHEAP of the step (ngram) always
-drafts: then there is at most CHEAP of the step to save, and what its drafts cost to verify is
-D-cut's call, made on each draft's own confidence. Judged by the running estimates instead, a
-run of failed copies would bench it for up to MAX_BACKOFF steps, and the matches in between go
-unused: its probes are single requests, whose accepted length is mostly 0 or a whole copy, so
-the estimate climbs back slowly while the backoff doubles. CHEAP was 2% until the bf16 forward
-halved the step: ngram's ~50 us per request then came to 2.6% of a 16-request step, and a
-served 16-client run spent the rest of its time with ngram benched (accept rate 0).
+A drafter whose drafting costs at most CHEAP of the step (ngram: ~50 us a request) always
+drafts: there is at most CHEAP of the step to save, and what its drafts cost to verify is D-cut's
+call, made on each draft's own confidence. Judged by running estimates instead, a run of failed
+copies would bench it while its matches go unused: its probes are single requests whose accepted
+length is mostly 0 or a whole copy, so the estimate recovers slowly while the backoff doubles.
 """
 from __future__ import annotations
 

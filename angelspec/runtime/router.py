@@ -2,44 +2,27 @@
 first drafter, then shadow drafting lets the evidence switch it.
 
 1. **Classifier.** Multinomial naive Bayes over the prompt's token ids (chat template included,
-   as served), trained on the prompts of `angelspec data` with their domain labels; its held-out
-   accuracy is stored in the engine. The domain maps to a drafter (chat -> mtp, code/math -> dfly
-   by default; the build measures each domain's fastest; missing drafts fall back to ngram).
-   The domain also names the request's contenders: the drafters the build measured within
-   `CONTEND` of the domain's fastest (all candidates when an engine has no measurement), and
-   always `ngram`, whose shadow draft is a lookup (~50 us) with no model to keep up: the build
-   measures a few prompts per domain, and the online rule can only correct a wrong first route
-   towards a drafter that shadow-drafts. Only contenders follow the request's commits and
-   shadow-draft for it: a trained drafter that measured far slower costs nothing.
-2. **Online rule.** Every few steps of a request, ONE other contender (round robin) also
-   drafts for it: after `shadow_every` steps at first, the interval doubling (up to `max_every`)
-   each time the scores confirm the current drafter, and back to `shadow_every` after a switch.
-   What finished requests showed carries over to the next request of their domain: each one
-   whose scores confirmed its drafter doubles the interval the next one starts at (up to
-   `max_every`), and a switch resets it. (Requests are short: starting every one at
-   `shadow_every` cost a losing contender's shadow drafts 4-5% of chat's tokens per second.)
-   And when `MOVE_AFTER` (2) requests of a domain in a row ended on the same other drafter, the
-   domain's route moves there: its next requests start on it (the build measures routes on 3
-   prompts per domain, and a request that starts on the wrong drafter loses the steps it
-   takes to gather the evidence).
-   No extra target forward is needed to score that proposal: once the
-   positions it covers are committed, its accepted length is the length of its prefix that matches
-   the committed tokens (exact under greedy decoding). Each drafter's value for the request is
-   what it adds to the engine's throughput, in tokens per step:
+   as served), trained on the data step's prompts with their domains. The domain maps to a
+   route (the build measures each domain's fastest drafter; missing drafts fall back to ngram)
+   and to its contenders: the drafters measured within `CONTEND` of the fastest, and always
+   `ngram`, whose shadow draft is a cheap lookup. Only contenders follow a request's commits.
+2. **Online rule.** Every few steps ONE other contender (round robin) also drafts for the
+   request. Once the positions it covers are committed, its accepted length is the length of its
+   prefix matching the committed tokens (exact under greedy), so no extra target forward is
+   needed. A drafter's value for the request is what it adds to the engine's throughput:
 
        value = (1 + mean accepted) - rate * (mean draft time + C(rows + k) - C(rows))
 
-   where rate is the engine's recent tokens per second, rows its recent tokens verified per step,
-   k the drafter's mean draft length and C the engine's measured verification cost. A drafter's
-   time is everyone's: under load one request's drafting delays the whole batch, which `rate`
-   prices in (at batch 1 this ranks drafters by their own tokens per second). After `min_obs`
-   shadow scores, the request switches to a drafter whose value beats the current one's by
-   `margin` of the current's tokens per step. A contender whose value could not beat the
-   current one's even if it were always accepted (at today's load and draft time) is not
-   shadow-drafted at all.
-   Cost: one extra draft pass per interval (4 to 32 steps), and never more than `budget` (5%) of
-   the engine's step time in total, however many requests are in flight; plus keeping the
-   candidates' context up to date (their hidden-state catch-up runs in the shadow pass).
+   with rate the engine's recent tokens per second, rows its tokens verified per step, k the
+   drafter's mean draft length and C the measured verification cost: under load one request's
+   drafting delays the whole batch (at batch 1 this ranks drafters by their own tokens per
+   second). After `min_obs` scores the request switches to a drafter that beats the current one
+   by `margin`. The interval starts at `shadow_every` and doubles (up to `max_every`) while the
+   scores confirm the current drafter; finished requests pass their interval on to the next of
+   their domain (requests are short, and every shadow draft of a losing contender costs), and
+   after `MOVE_AFTER` requests of a domain in a row ended on the same other drafter, the
+   domain's route moves there. Shadow drafting never takes more than `budget` of the engine's
+   step time, and a contender that could not win even if always accepted is not asked.
 """
 from __future__ import annotations
 
@@ -48,8 +31,8 @@ from dataclasses import dataclass, field
 import torch
 
 from angelspec.plugins import interpolate_cost
+from angelspec.prompts import DOMAINS
 
-DOMAINS = ("chat", "code", "math")
 DEFAULT_ROUTES = {"chat": "mtp", "code": "dfly", "math": "dfly"}
 CONTEND = 0.2  # a drafter within 20% of a domain's fastest (build measurement) stays a contender
 ALWAYS_CONTENDS = ("ngram",)  # costs next to nothing to shadow-draft

@@ -71,7 +71,7 @@ def without_failed(active, names, props, drafting):
 def room(engine, s: RequestState) -> int:
     """Draft tokens request s can still use: never past its token budget or the cache (the
     bonus token always comes)."""
-    return max(min(s.params.max_new_tokens - len(s.output), engine.max_len - len(s.tokens)) - 1, 0)
+    return max(min(s.params.max_tokens - len(s.output), engine.max_len - len(s.tokens)) - 1, 0)
 
 
 def propose(engine, active: list[RequestState], names: list[str],

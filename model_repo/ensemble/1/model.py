@@ -178,7 +178,7 @@ class TritonPythonModel:
             stop_ids.append(int(end_id))
         seed = _scalar(request, "seed", None)
         params = SamplingParams(
-            max_new_tokens=int(max_tokens), temperature=float(_scalar(request, "temperature", 0.0)),
+            max_tokens=int(max_tokens), temperature=float(_scalar(request, "temperature", 0.0)),
             top_p=float(_scalar(request, "top_p", 1.0)), top_k=int(_scalar(request, "top_k", 0)),
             seed=None if seed is None else int(seed), stop_token_ids=stop_ids,
             ignore_eos=bool(_scalar(request, "ignore_eos", False)))
