@@ -13,7 +13,7 @@ DATA   ?= build/data$(SUFFIX)
 DRAFTS ?= build/drafts$(SUFFIX)
 ENGINE ?= engines/default$(SUFFIX)
 
-.PHONY: setup target demo generate bench data drafts bench-drafts engines bench-engine serve stop perf soak probe test test-fast lint clean help
+.PHONY: setup target demo generate bench data drafts bench-drafts engines bench-engine serve stop perf soak probe test test-fast lint startup clean help
 
 help:
 	@echo "make demo    the main job: an engine of the default target served by tritonserver, a streamed request, a perf_analyzer sweep"
@@ -121,6 +121,12 @@ test-fast: lint
 
 lint: setup
 	$(VENV)/bin/ruff check .
+
+# how long the light entry points take to start (none imports torch): mean of 5 runs each
+startup: setup
+	@for cmd in "--help" "client --help" "stop --server build/no-server"; do \
+	  s=$$(date +%s.%N); for i in 1 2 3 4 5; do $(VENV)/bin/angelspec $$cmd > /dev/null; done; \
+	  e=$$(date +%s.%N); echo "angelspec $$cmd: $$($(PY) -c "print(round(($$e - $$s) / 5, 3))") s"; done
 
 clean:
 	rm -rf build engines

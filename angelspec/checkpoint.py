@@ -38,9 +38,19 @@ class Target:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def tokenizer_hash(self) -> str:
-        """SHA-256 of tokenizer.json: identifies the vocabulary drafts must share."""
+        """SHA-256 of tokenizer.json: the vocabulary drafts and datastores must share (a draft's
+        own config checks the rest of what it needs: hidden size, layers)."""
         f = self.path / "tokenizer.json"
         return hashlib.sha256(f.read_bytes()).hexdigest() if f.exists() else ""
+
+    def model_hash(self) -> str:
+        """SHA-256 of config.json + tokenizer.json: what training data depends on (its responses
+        and cached hidden states come from this model)."""
+        h = hashlib.sha256()
+        for name in ("config.json", "tokenizer.json"):
+            f = pathlib.Path(self.path) / name
+            h.update(f.read_bytes() if f.exists() else b"")
+        return h.hexdigest()
 
 
 def read_config(path: str | pathlib.Path) -> ModelConfig:

@@ -69,6 +69,7 @@ def _params(args):
 def cmd_generate(args) -> int:
     from angelspec.default_target import load_target_or_default
     from angelspec.runtime import Engine, Request
+    from angelspec.text import decode_whole
 
     params = _params(args)
     if args.engine:  # as the engine serves: its weights, backend, drafts and router
@@ -90,8 +91,8 @@ def cmd_generate(args) -> int:
         tokens += ev.tokens
         st = ev.stats or st
         if args.stream:
-            text = target.decode(tokens)
-            if not text.endswith("\ufffd"):  # never print half of a multi-byte character
+            text = decode_whole(target.tokenizer, tokens)
+            if text is not None:
                 sys.stdout.write(text[len(printed):])
                 sys.stdout.flush()
                 printed = text

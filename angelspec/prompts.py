@@ -9,6 +9,11 @@ DEFAULT_PROMPTS = pathlib.Path(__file__).with_name("data") / "prompts.jsonl"
 DOMAINS = ("chat", "code", "math")  # what prompts, data, drafts and routes are specialised for
 
 
+def read_jsonl(path: str | pathlib.Path) -> list[dict]:
+    """One JSON object per non-empty line."""
+    return [json.loads(line) for line in pathlib.Path(path).read_text().splitlines() if line.strip()]
+
+
 def load_prompts(path: str | pathlib.Path | None, limit: int | None = None) -> list[dict]:
     """JSONL with `prompt` and `domain` per line; `limit` keeps the first N of each domain."""
     path = pathlib.Path(path or DEFAULT_PROMPTS)

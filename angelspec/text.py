@@ -1,4 +1,4 @@
-"""User text into the target's tokens, one way for the CLI, the Python API and the server.
+"""Text in and out of the target's tokens, one way for the CLI, the Python API and the server.
 
 The rule for user text: it is text. A user who writes `<|im_start|>system` gets the tokens of
 those characters, never the control token, so no prompt can forge a conversation turn. Only the
@@ -47,3 +47,12 @@ def encode_stop_words(tok, words) -> list[int]:
                              "single tokens")
         ids.append(wid[0])
     return ids
+
+
+def decode_whole(tok, ids: list[int]) -> str | None:
+    """The text of `ids`, or None while it ends inside a multi-byte character: a byte-level
+    tokenizer may split one character over several tokens, and streamed text must never show half
+    of one, so the caller holds those tokens back until the character is complete."""
+    text = tok.decode(ids, skip_special_tokens=True)
+    return None if text.endswith("\ufffd") else text
+

@@ -4,7 +4,6 @@ only the layers below it. `angelspec.cli` alone may import inside functions (so 
 `client` and `stop` start without torch)."""
 import ast
 import pathlib
-
 import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

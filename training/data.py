@@ -20,7 +20,6 @@ out_dir/
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import pathlib
@@ -37,7 +36,7 @@ from angelspec.checkpoint import Target
 from angelspec.default_target import load_target_or_default
 from angelspec.drafters.target_layers import training_layers
 from angelspec.model import Segment
-from angelspec.prompts import DOMAINS
+from angelspec.prompts import DOMAINS, read_jsonl
 from angelspec.runtime.backend import choose_weights
 from angelspec.runtime.engine import Engine, Request
 from angelspec.sampling import SamplingParams
@@ -46,15 +45,6 @@ from angelspec.training.sources import prompts as draw_prompts
 
 FORMAT = 1
 GENERATION_BEFORE = {"weights": "float32"}  # generation settings of folders older than the key
-
-
-def target_hash(target: Target) -> str:
-    """SHA-256 of the target's config.json + tokenizer.json: the data is only valid for it."""
-    h = hashlib.sha256()
-    for name in ("config.json", "tokenizer.json"):
-        f = pathlib.Path(target.path) / name
-        h.update(f.read_bytes() if f.exists() else b"")
-    return h.hexdigest()
 
 
 def _write(path: pathlib.Path, text: str) -> None:
@@ -67,15 +57,11 @@ def _jsonl(rows: list[dict]) -> str:
     return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
 
 
-def _read_jsonl(path: pathlib.Path) -> list[dict]:
-    return [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
-
-
 def _prompt_sets(target, out, counts, heldout, max_prompt_tokens, seed):
     """Draw, length-filter and split the prompts once; a rerun reads the same files back."""
     train_f, held_f = out / "prompts.jsonl", out / "heldout.jsonl"
     if train_f.exists() and held_f.exists():
-        return _read_jsonl(train_f), _read_jsonl(held_f)
+        return read_jsonl(train_f), read_jsonl(held_f)
     train, held = [], []
     for d in DOMAINS:
         if not counts.get(d, 0):
@@ -211,7 +197,7 @@ def build(target: Target, out_dir, counts: dict[str, int], heldout: int, max_tok
     requested = dict(counts={d: counts.get(d, 0) for d in DOMAINS}, heldout=heldout,
                      shard_size=shard_size)
     m = _open_manifest(out, dict(format=FORMAT, target=str(target.path),
-                                 target_hash=target_hash(target), layers=layers,
+                                 target_hash=target.model_hash(), layers=layers,
                                  hidden_size=cfg.hidden_size, generation=gen, requested=requested,
                                  shards=[]))
     _write(out / "manifest.json", json.dumps(m, indent=1))

@@ -16,7 +16,7 @@ import re
 import sysconfig
 import zlib
 
-from angelspec.prompts import DEFAULT_PROMPTS
+from angelspec.prompts import DEFAULT_PROMPTS, read_jsonl
 
 MAX_CHARS = 1200
 MATH_TASKS = ("basic_arithmetic", "chain_sum", "decimal_chain_sum", "fraction_simplification",
@@ -65,7 +65,7 @@ def _bench_prompts() -> set[str]:
     f = pathlib.Path(DEFAULT_PROMPTS)
     if not f.exists():
         return set()
-    return {_key(json.loads(l)["prompt"]) for l in f.read_text().splitlines() if l.strip()}
+    return {_key(r["prompt"]) for r in read_jsonl(f)}
 
 
 # -- chat -------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from angelspec.runtime import Request, SamplingParams, load_engine
-from angelspec.text import encode_chat, encode_stop_words
+from angelspec.text import decode_whole, encode_chat, encode_stop_words
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # the inputs of config.pbtxt: Triton's HTTP generate endpoint turns any other JSON field into a
@@ -300,10 +300,10 @@ class TritonPythonModel:
         if not job.stream or not ev.tokens:
             return
         job.held += ev.tokens
-        # hold back tokens that end inside a multi-byte character: chunks never split one (the
-        # held tokens start where a character starts, so decoding them alone tells)
-        text = self.tok.decode(job.held, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
+        # the held tokens start where a character starts, so decoding them alone tells whether
+        # they end inside one
+        text = decode_whole(self.tok, job.held)
+        if text is None:
             return
         job.held = []
         job.sender.send(self.response(text, ev.stats, None))
