@@ -61,6 +61,8 @@ class Run:
     seconds: dict[str, float] = field(default_factory=dict)  # per domain, end to end
     prefill: dict[str, float] = field(default_factory=dict)  # per domain, prompt forwards
     forwards: dict[str, int] = field(default_factory=dict)  # per domain, target weight reads
+    draft_time: float = 0.0  # seconds drafting in steps, all domains
+    forward_time: float = 0.0  # seconds in verification forwards, all domains
     steps: list[int] = field(default_factory=list)  # verification forwards per prompt
     committed: list[int] = field(default_factory=list)  # tokens from those forwards
     dcut: bool = False
@@ -99,9 +101,12 @@ def run_engine_chunk(engine: Engine, run: Run, ids: list[list[int]], chunk: list
     params = [SamplingParams(max_tokens=max_tokens, **(dict(sampling, seed=i) if sampling else {}))
               for i in chunk]
     engine.dcut = run.dcut
-    t0, p0, s0 = time.perf_counter(), engine.stats.prefill_time, engine.stats.steps
+    st = engine.stats
+    t0, p0, s0, d0, f0 = time.perf_counter(), st.prefill_time, st.steps, st.draft_time, st.forward_time
     results = engine.generate([Request(ids[i], p, run.drafter) for i, p in zip(chunk, params)])
-    run.add(domain, time.perf_counter() - t0, engine.stats.prefill_time - p0, engine.stats.steps - s0)
+    run.add(domain, time.perf_counter() - t0, st.prefill_time - p0, st.steps - s0)
+    run.draft_time += st.draft_time - d0
+    run.forward_time += st.forward_time - f0
     for i, r in zip(chunk, results):
         run.outputs[i], run.steps[i], run.committed[i] = r.tokens, r.stats.steps, r.stats.committed
         run.used[i] = r.drafter
@@ -265,6 +270,10 @@ def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_t
                 row.update(seconds=round(secs, 3), tokens_per_s=round(tps, 2),
                            speedup_vs_ar=round(tps / ar_tps[dom], 3),
                            weight_gb_per_s=round(forwards * weight_bytes / (secs - pre) / 1e9, 2))
+            if dom == "all" and run.drafter != "hf":
+                # drafting time per step against the verification forward's (the same steps)
+                row["draft_per_forward"] = round(run.draft_time / run.forward_time, 3) \
+                    if run.forward_time else None
             if run.drafter == "auto":
                 used = [run.used[i] for i in idx]
                 row["drafter_used"] = {d: used.count(d) for d in sorted(set(used))}
@@ -301,7 +310,7 @@ def format_table(result: dict) -> str:
              f"weights {cfg['weight_mb']} MB {cfg.get('weights', 'float32')}, "
              f"machine streams {cfg['stream_bandwidth_gb_per_s']} GB/s",
              f"{'drafter':<12} {'domain':<6} {'tok/s':>8} {'accept':>7} {'speedup':>8} "
-             f"{'GB/s':>6} {'%bw':>5} {'lossless':>9} {'near_ties':>9}  used"]
+             f"{'GB/s':>6} {'%bw':>5} {'lossless':>9} {'near_ties':>9} {'draft/fwd':>9}  used"]
     num = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     for r in result["results"]:
         pct = None if r["weight_gb_per_s"] is None else \
@@ -311,7 +320,8 @@ def format_table(result: dict) -> str:
         lines.append(f"{name:<12} {r['domain']:<6} {num(r['tokens_per_s'], '8.2f'):>8} "
                      f"{num(r['mean_accept_len'], '.2f'):>7} {num(r['speedup_vs_ar'], '7.2f'):>7}x "
                      f"{num(r['weight_gb_per_s'], '6.1f'):>6} {num(pct, '4.0f'):>4}% "
-                     f"{str(r['lossless']).lower():>9} {r['near_ties']:>9}  {used}")
+                     f"{str(r['lossless']).lower():>9} {r['near_ties']:>9} "
+                     f"{num(r.get('draft_per_forward'), '.3f'):>9}  {used}")
     vc = result.get("verify_cost")
     if vc:
         lines.append(f"verification cost after {vc['context']} cached tokens (one forward): " +

@@ -224,6 +224,37 @@ def test_greedy_lossless_with_trained_drafters(target8, tmp_path, kind):
         assert sum(r.stats.drafted for r in out) > 0
 
 
+@pytest.mark.parametrize("kind", ["mtp", "dfly", "dflash"])
+def test_batched_drafting_proposes_what_one_request_at_a_time_does(target8, tmp_path, kind):
+    """A trained drafter drafts for the whole batch in one pass (its weights read once); each
+    request gets the proposal it would get alone, twice in a row (the second time from the
+    caches the first one filled, after newly committed positions)."""
+    cfg, model = draft(target8, kind, vocab=60 if kind != "dflash" else 0)
+    g = torch.Generator().manual_seed(11)
+    seqs = [torch.randint(1, 96, (n,), generator=g).tolist() for n in (9, 17, 30)]
+    feats = [features(target8, t, sorted(set(cfg.target_layers))) for t in seqs]
+    together = served(target8, tmp_path / "a", cfg, model)
+    alone = served(target8, tmp_path / "b", cfg, model)
+    views = {}
+    for cut in (5, 0):  # a prefix of each sequence first, then the rest of it committed
+        for i, t in enumerate(seqs):
+            n = len(t) - 1 - cut
+            for who in (together, alone):
+                v = views.get((who, i))
+                if v is None:
+                    views[who, i] = state_at(t, n, who, feats[i])
+                else:
+                    old = len(v.req.tokens) - 1
+                    v.req.tokens[:] = t[: n + 1]
+                    who.on_commit(v, {l: feats[i][l][old:n] for l in who.capture})
+        batch = together.propose([views[together, i] for i in range(len(seqs))])
+        single = [alone.propose([views[alone, i]])[0] for i in range(len(seqs))]
+        for p, q in zip(batch, single):
+            assert p.tokens.tolist() == q.tokens.tolist()
+            torch.testing.assert_close(p.confidence, q.confidence, rtol=1e-4, atol=1e-6)
+        assert all(len(p.tokens) == together.draft_len for p in batch)
+
+
 @pytest.mark.parametrize("vocab", [[78], [17, 78]])
 @pytest.mark.parametrize("kind", ["mtp", "dfly", "dflash"])
 def test_validation_walk_counts_what_serving_counts(target8, tmp_path, kind, vocab):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from angelspec.drafters.base import Proposal
 from angelspec.drafters.modules import DecoderLayer, Linear, RMSNorm, SwiGLU, grouped
 from angelspec.drafters.trained import GrowingKV, TrainedDrafter
 from angelspec.plugins import dfly_draft_head
@@ -98,31 +99,60 @@ class DFlyDrafter(TrainedDrafter):
     name = "dfly"
     model_cls = DFly
 
-    def draft(self, s, k: int):
-        model, fz, st = self.model, self.frozen, s.drafter_state
-        caches = st.setdefault("kv", [GrowingKV(l.nkv, l.hd) for l in model.layers])
-        start = st.get("ctx", 0)
-        feats = self.take_pending(s)
-        n = start + len(feats[self.capture[0]])
-        ctx = model.context([feats[l] for l in self.cfg.target_layers])
-        for cache, (kk, vv) in zip(caches, model.context_kv(ctx, *fz.rope_tables(torch.arange(start, n)))):
-            cache.write(start, kk, vv)
-        st["ctx"] = n
-        b = self.cfg.block_size
-        anchor = s.tokens[-1]  # at position n: the newest committed token
-        x = torch.cat([fz.embed[anchor][None], model.mask_embed.expand(b - 1, -1)])[None]
-        hidden = model.block(x, *fz.rope_tables(torch.arange(n, n + b)[None]),
-                             [c.upto(n) for c in caches])[0, 1: k + 1]
-        if not self.cfg.ar_head:
-            return self.choose(fz.logits(hidden), s)
-        # the chain, each link conditioned on the token before it, runs as one op; it proposes
-        # the argmax at every link
-        ar = model.ar
-        tokens, conf = dfly_draft_head(
-            hidden.contiguous(), torch.tensor(anchor), fz.embed, model.head_norm.weight,
-            model.prev_norm.weight, ar.gate.weight, ar.up.weight, ar.down.weight, fz.norm_w,
-            fz.lm_head, fz.vocab_ids, fz.eps, candidates(fz, hidden, self.cfg.rescore_top_k))
-        return tokens, conf
+    @torch.inference_mode()
+    def propose(self, states: list) -> list[Proposal]:
+        """Every request at once: one pass projects all requests' newly committed context
+        features into their caches, and one block forward drafts every request's block (each
+        block sees its own context: the contexts are padded to the longest and masked). Only
+        the AR head's chain runs per request."""
+        k = self.draft_len
+        if k == 0 or not states:
+            return [Proposal.empty() for _ in states]
+        model, fz, layers = self.model, self.frozen, self.cfg.target_layers
+        caches, starts, ends, feats = [], [], [], {l: [] for l in layers}
+        for s in states:
+            st = s.drafter_state
+            caches.append(st.setdefault("kv", [GrowingKV(l.nkv, l.hd) for l in model.layers]))
+            new = self.take_pending(s)
+            starts.append(st.get("ctx", 0))
+            ends.append(starts[-1] + len(new[self.capture[0]]))
+            for l in layers:
+                feats[l].append(new[l])
+            st["ctx"] = ends[-1]
+        pos = torch.cat([torch.arange(a, e) for a, e in zip(starts, ends)])
+        kvs = model.context_kv(model.context([torch.cat(feats[l]) for l in layers]), *fz.rope_tables(pos))
+        row = 0
+        for req, (a, e) in zip(caches, zip(starts, ends)):
+            for cache, (kk, vv) in zip(req, kvs):
+                cache.write(a, kk[:, row: row + e - a], vv[:, row: row + e - a])
+            row += e - a
+        # the blocks: request r's [anchor, MASK...] at positions n_r .. n_r + b - 1
+        b, t = self.cfg.block_size, max(ends)
+        anchors = torch.tensor([s.tokens[-1] for s in states])  # at position n: the newest token
+        x = torch.cat([fz.embed[anchors][:, None], model.mask_embed.expand(len(states), b - 1, -1)], 1)
+        ctx_kv = [(torch.stack([_padded(req[i].upto(n)[0], t) for req, n in zip(caches, ends)]),
+                   torch.stack([_padded(req[i].upto(n)[1], t) for req, n in zip(caches, ends)]))
+                  for i in range(len(model.layers))]
+        seen = torch.arange(t)[None, None, :] < torch.tensor(ends)[:, None, None]  # [R, 1, T]
+        positions = torch.tensor(ends)[:, None, None] + torch.arange(b)[None, None, :]  # [R, 1, b]
+        hidden = model.block(x[:, None], *fz.rope_tables(positions), ctx_kv, seen)[:, 0, 1: k + 1]
+        out = []
+        for s, h, anchor in zip(states, hidden, anchors):
+            if not self.cfg.ar_head:
+                tokens, conf = self.choose(fz.logits(h), s)
+            else:  # the chain, each link conditioned on the token before it, as one op
+                ar = model.ar
+                tokens, conf = dfly_draft_head(
+                    h.contiguous(), anchor, fz.embed, model.head_norm.weight, model.prev_norm.weight,
+                    ar.gate.weight, ar.up.weight, ar.down.weight, fz.norm_w, fz.lm_head, fz.vocab_ids,
+                    fz.eps, candidates(fz, h, self.cfg.rescore_top_k))
+            out.append(Proposal(tokens.long(), conf.float()))
+        return out
+
+
+def _padded(x: torch.Tensor, t: int) -> torch.Tensor:
+    """[Hkv, n, D] -> [Hkv, t, D], zeros after n (masked out by the caller)."""
+    return torch.cat([x, x.new_zeros(x.shape[0], t - x.shape[1], x.shape[2])], 1) if x.shape[1] < t else x
 
 
 class DFlashDrafter(DFlyDrafter):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from angelspec.drafters.base import Proposal
 from angelspec.drafters.modules import DecoderLayer, Linear, RMSNorm, attend
 from angelspec.drafters.trained import GrowingKV, TrainedDrafter
 
@@ -31,33 +32,55 @@ class MTPDrafter(TrainedDrafter):
     name = "mtp"
     model_cls = MTP
 
-    def draft(self, s, k: int):
-        """Catch up the layer's cache on the newly committed positions, then roll out k steps."""
-        model, fz = self.model, self.frozen
-        st = s.drafter_state
-        layer = model.layer
-        cache = st.setdefault("kv", GrowingKV(layer.nkv, layer.hd))
-        start = st.get("real", 0)  # positions whose real (target-hidden) input is cached
-        h = self.take_pending(s)[self.cfg.target_num_layers]  # rows for positions start..n-1
-        n = start + len(h)
-        # real inputs at positions p = start..n-1: (embed(token p+1), target hidden at p)
-        x = model.inputs(fz.embed[torch.tensor(s.tokens[start + 1: n + 1])], h)
-        pos = torch.arange(start, n)
-        q, kk, vv = layer.qkv(x, *fz.rope_tables(pos))
-        cache.write(start, kk, vv)
-        keys, vals = cache.upto(n)
-        mask = pos[:, None] >= torch.arange(n)[None, :]
-        o = layer.finish(x, attend(q, keys, vals, mask))[-1:]
-        st["real"] = n
+    @torch.inference_mode()
+    def propose(self, states: list) -> list[Proposal]:
+        """Every request at once: one pass catches up each request's cache on its newly committed
+        positions (the target's hidden states as inputs), then k rollout steps, each one forward
+        over one row per request. Only attention runs per request (over its own cache); the
+        projections, the MLP and the lm_head read their weights once for the whole batch."""
+        k = self.draft_len
+        if k == 0 or not states:
+            return [Proposal.empty() for _ in states]
+        model, fz, layer = self.model, self.frozen, self.model.layer
+        caches, starts, news = [], [], []
+        embs, hids, poss = [], [], []
+        for s in states:
+            st = s.drafter_state
+            caches.append(st.setdefault("kv", GrowingKV(layer.nkv, layer.hd)))
+            start = st.get("real", 0)  # positions whose real (target-hidden) input is cached
+            h = self.take_pending(s)[self.cfg.target_num_layers]  # rows for start..n-1
+            n = start + len(h)
+            # real inputs at positions p = start..n-1: (embed(token p+1), target hidden at p)
+            embs.append(fz.embed[torch.tensor(s.tokens[start + 1: n + 1])])
+            hids.append(h)
+            poss.append(torch.arange(start, n))
+            starts.append(start)
+            news.append(n)
+            st["real"] = n
+        x = model.inputs(torch.cat(embs), torch.cat(hids))
+        q, kk, vv = layer.qkv(x, *fz.rope_tables(torch.cat(poss)))
+        attn, row = [], 0
+        for cache, start, n in zip(caches, starts, news):
+            m = n - start
+            cache.write(start, kk[:, row: row + m], vv[:, row: row + m])
+            attn.append(attend(q[:, row + m - 1: row + m], *cache.upto(n)))  # the last row's
+            row += m
+        last = x[torch.tensor([n - s0 for n, s0 in zip(news, starts)]).cumsum(0) - 1]
+        o = layer.finish(last, torch.cat(attn, dim=-2))  # [B, h]: each request's newest position
         tokens, confs = [], []
         for step in range(k):
             if step:  # own hidden state and own token from the second step on
                 x = model.inputs(fz.embed[tokens[-1]], o)
-                p = n - 1 + step
-                q, kk, vv = layer.qkv(x, *fz.rope_tables(torch.tensor([p])))
-                cache.write(p, kk, vv)
-                o = layer.finish(x, attend(q, *cache.upto(p + 1)))
-            t, c = self.choose(fz.logits(o), s)
-            tokens.append(t)
-            confs.append(c)
-        return torch.cat(tokens), torch.cat(confs)
+                pos = torch.tensor(news) - 1 + step
+                q, kk, vv = layer.qkv(x, *fz.rope_tables(pos))
+                attn = []
+                for i, cache in enumerate(caches):
+                    cache.write(int(pos[i]), kk[:, i: i + 1], vv[:, i: i + 1])
+                    attn.append(attend(q[:, i: i + 1], *cache.upto(int(pos[i]) + 1)))
+                o = layer.finish(x, torch.cat(attn, dim=-2))
+            logits = fz.logits(o)
+            picks = [self.choose(logits[i: i + 1], s) for i, s in enumerate(states)]
+            tokens.append(torch.cat([t for t, _ in picks]))
+            confs.append(torch.cat([c for _, c in picks]))
+        tokens, confs = torch.stack(tokens, 1), torch.stack(confs, 1)  # [B, k]
+        return [Proposal(tokens[i].long(), confs[i].float()) for i in range(len(states))]

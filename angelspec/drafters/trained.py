@@ -7,7 +7,7 @@ import pathlib
 
 import torch
 
-from angelspec.drafters.base import Drafter, Proposal
+from angelspec.drafters.base import Drafter
 from angelspec.drafters.draft_checkpoint import DraftConfig, load_draft
 from angelspec.drafters.modules import Frozen
 from angelspec.sampling import probs_from_logits
@@ -88,15 +88,3 @@ class TrainedDrafter(Drafter):
         for rows in pending.values():
             rows.clear()
         return out
-
-    @torch.inference_mode()
-    def propose(self, states: list) -> list[Proposal]:
-        out = []
-        for s in states:
-            k = self.draft_len
-            tokens, conf = self.draft(s, k) if k > 0 else (torch.zeros(0, dtype=torch.long),) * 2
-            out.append(Proposal(tokens.long(), conf.float()))
-        return out
-
-    def draft(self, state, k: int):
-        raise NotImplementedError

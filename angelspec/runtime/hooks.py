@@ -77,8 +77,11 @@ class StepHooks:
                 mine = [(len(p.tokens), v[0]) for n, p, v in zip(names, props, verdicts) if n == name]
                 self.gate.observe(name, len(mine), seconds, sum(k for k, _ in mine),
                                   sum(a for _, a in mine))
+        stats = self.engine.stats
+        stats.draft_time += t_draft
+        stats.forward_time += t_fwd
         spent = total - t_draft - t_fwd
-        first = self.engine.stats.steps == 1
+        first = stats.steps == 1
         self.t_fixed_ema = spent if first else 0.9 * self.t_fixed_ema + 0.1 * spent
         if self.engine.router is not None:
             self.engine.router.add_step(total, committed, n_tokens)

@@ -32,3 +32,5 @@ class EngineStats:
     prefill_time: float = 0.0  # seconds in prompt forwards (benchmarks separate decoding)
     dcut_drafted: int = 0  # draft tokens D-cut was offered
     dcut_kept: int = 0  # ... and kept
+    draft_time: float = 0.0  # seconds drafting in steps (shadow drafts and the gate's plan too)
+    forward_time: float = 0.0  # seconds in verification forwards
