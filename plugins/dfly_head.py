@@ -22,34 +22,36 @@ def dfly_draft_head(hidden: Tensor, anchor: Tensor, embed: Tensor, head_norm: Te
                     prev_norm: Tensor, gate: Tensor, up: Tensor, down: Tensor, final_norm: Tensor,
                     lm_head: Tensor, vocab_ids: Tensor, eps: float,
                     candidates: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    """hidden [k, h] (backbone output per draft position), anchor [] long, embed [V, h],
-    lm_head [Vd, h] rows of the draft vocabulary with target ids vocab_ids [Vd]; candidates
-    [k, c] (optional): re-score only these draft-vocabulary indices per position.
-    Returns (tokens [k] target ids, confidence [k] = the draft's probability of each token)."""
-    k, h = hidden.shape
-    tokens = torch.empty(k, dtype=torch.long)
-    conf = torch.empty(k, dtype=hidden.dtype)
+    """The chains of R blocks at once: hidden [R, k, h] (backbone output per draft position),
+    anchor [R] long, embed [V, h], lm_head [Vd, h] rows of the draft vocabulary with target ids
+    vocab_ids [Vd]; candidates [R, k, c] (optional): re-score only these draft-vocabulary
+    indices per position. Each link is one product over the R rows (the weights read once).
+    Returns (tokens [R, k] target ids, confidence [R, k] = the draft's probability of each)."""
+    r, k, h = hidden.shape
+    tokens = torch.empty(r, k, dtype=torch.long)
+    conf = torch.empty(r, k, dtype=hidden.dtype)
     hn = F.rms_norm(hidden, (h,), head_norm, eps)
-    prev = anchor.reshape(())
+    prev = anchor.reshape(r)
     for i in range(k):
-        pe = F.rms_norm(embed[prev][None], (h,), prev_norm, eps)
-        x = torch.cat([hn[i: i + 1], pe], dim=-1)
-        y = hidden[i: i + 1] + linear(F.silu(linear(x, gate)) * linear(x, up), down)
+        pe = F.rms_norm(embed[prev], (h,), prev_norm, eps)
+        x = torch.cat([hn[:, i], pe], dim=-1)
+        y = hidden[:, i] + linear(F.silu(linear(x, gate)) * linear(x, up), down)
         yn = F.rms_norm(y, (h,), final_norm, eps)
         if candidates is None:
-            logits, ids = linear(yn, lm_head)[0], vocab_ids
-        else:
-            rows = candidates[i]
-            logits, ids = lm_head[rows] @ yn[0], vocab_ids[rows]
+            logits, ids = linear(yn, lm_head), vocab_ids.expand(r, -1)
+        else:  # a few rows each: one product per block
+            rows = candidates[:, i]
+            logits = torch.stack([lm_head[rows[b]] @ yn[b] for b in range(r)])
+            ids = vocab_ids[rows]
         probs = torch.softmax(logits.float(), -1)
-        j = int(probs.argmax())
-        prev = ids[j]
-        tokens[i], conf[i] = prev, probs[j]
+        j = probs.argmax(-1, keepdim=True)
+        prev = ids.gather(-1, j)[:, 0]
+        tokens[:, i], conf[:, i] = prev, probs.gather(-1, j)[:, 0]
     return tokens, conf
 
 
 @dfly_draft_head.register_fake
 def _(hidden, anchor, embed, head_norm, prev_norm, gate, up, down, final_norm, lm_head, vocab_ids,
       eps, candidates=None):
-    k = hidden.shape[0]
-    return hidden.new_empty(k, dtype=torch.long), hidden.new_empty(k)
+    r, k = hidden.shape[:2]
+    return hidden.new_empty(r, k, dtype=torch.long), hidden.new_empty(r, k)

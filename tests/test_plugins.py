@@ -36,11 +36,11 @@ def test_opcheck_all_ops():
     cost = (torch.tensor([1.0, 8.0, 32.0], dtype=torch.float64), torch.tensor([0.03, 0.04, 0.09], dtype=torch.float64))
     opcheck(dcut_select, (conf, lengths, 0.01, 0.002, *cost, torch.tensor(RATIOS, dtype=torch.float64)))
     h, v, m = 8, 13, 6
-    args = (torch.randn(4, h), torch.tensor(3), torch.randn(v, h), torch.ones(h), torch.ones(h),
+    args = (torch.randn(2, 4, h), torch.tensor([3, 5]), torch.randn(v, h), torch.ones(h), torch.ones(h),
             torch.randn(m, 2 * h), torch.randn(m, 2 * h), torch.randn(h, m), torch.ones(h),
             torch.randn(7, h), torch.arange(7) * 2, 1e-5)
     opcheck(dfly_draft_head, args)
-    opcheck(dfly_draft_head, args + (torch.randint(0, 7, (4, 3), generator=G),))
+    opcheck(dfly_draft_head, args + (torch.randint(0, 7, (2, 4, 3), generator=G),))
 
 
 def test_verify_greedy_matches_per_request_rule():
@@ -150,17 +150,20 @@ def test_dfly_draft_head_is_the_greedy_chain():
     ids = torch.randperm(v, generator=G)[:vd]
     ar = SwiGLU(2 * h, 24, h)
     hn_w, pn_w, fn_w = (torch.rand(h, generator=G) + 0.5 for _ in range(3))
-    hidden = torch.randn(5, h, generator=G)
-    tokens, conf = dfly_draft_head(hidden, torch.tensor(7), embed, hn_w, pn_w, ar.gate.weight.detach(),
+    hidden = torch.randn(3, 5, h, generator=G)  # three blocks' chains in one call
+    anchors = [7, 0, 31]
+    tokens, conf = dfly_draft_head(hidden, torch.tensor(anchors), embed, hn_w, pn_w, ar.gate.weight.detach(),
                                    ar.up.weight.detach(), ar.down.weight.detach(), fn_w, lm, ids, 1e-5)
-    prev = 7
     with torch.no_grad():
-        for i in range(5):
-            x = torch.cat([F.rms_norm(hidden[i], (h,), hn_w, 1e-5), F.rms_norm(embed[prev], (h,), pn_w, 1e-5)])
-            y = F.rms_norm(hidden[i] + ar(x), (h,), fn_w, 1e-5)
-            p = torch.softmax(lm @ y, -1)
-            prev = int(ids[p.argmax()])
-            assert int(tokens[i]) == prev and float(conf[i]) == pytest.approx(float(p.max()), rel=1e-5)
+        for b, prev in enumerate(anchors):
+            for i in range(5):
+                x = torch.cat([F.rms_norm(hidden[b, i], (h,), hn_w, 1e-5),
+                               F.rms_norm(embed[prev], (h,), pn_w, 1e-5)])
+                y = F.rms_norm(hidden[b, i] + ar(x), (h,), fn_w, 1e-5)
+                p = torch.softmax(lm @ y, -1)
+                prev = int(ids[p.argmax()])
+                assert int(tokens[b, i]) == prev
+                assert float(conf[b, i]) == pytest.approx(float(p.max()), rel=1e-5)
 
 
 def test_ops_trace_under_torch_compile():

@@ -103,8 +103,8 @@ class DFlyDrafter(TrainedDrafter):
     def propose(self, states: list) -> list[Proposal]:
         """Every request at once: one pass projects all requests' newly committed context
         features into their caches, and one block forward drafts every request's block (each
-        block sees its own context: the contexts are padded to the longest and masked). Only
-        the AR head's chain runs per request."""
+        block sees its own context: the contexts are padded to the longest and masked), and one
+        op runs every block's AR chain, link by link."""
         k = self.draft_len
         if k == 0 or not states:
             return [Proposal.empty() for _ in states]
@@ -136,18 +136,16 @@ class DFlyDrafter(TrainedDrafter):
         seen = torch.arange(t)[None, None, :] < torch.tensor(ends)[:, None, None]  # [R, 1, T]
         positions = torch.tensor(ends)[:, None, None] + torch.arange(b)[None, None, :]  # [R, 1, b]
         hidden = model.block(x[:, None], *fz.rope_tables(positions), ctx_kv, seen)[:, 0, 1: k + 1]
-        out = []
-        for s, h, anchor in zip(states, hidden, anchors):
-            if not self.cfg.ar_head:
-                tokens, conf = self.choose(fz.logits(h), s)
-            else:  # the chain, each link conditioned on the token before it, as one op
-                ar = model.ar
-                tokens, conf = dfly_draft_head(
-                    h.contiguous(), anchor, fz.embed, model.head_norm.weight, model.prev_norm.weight,
-                    ar.gate.weight, ar.up.weight, ar.down.weight, fz.norm_w, fz.lm_head, fz.vocab_ids,
-                    fz.eps, candidates(fz, h, self.cfg.rescore_top_k))
-            out.append(Proposal(tokens.long(), conf.float()))
-        return out
+        if not self.cfg.ar_head:
+            picks = [self.choose(fz.logits(h), s) for s, h in zip(states, hidden)]
+        else:  # the chains, each link conditioned on the token before it, one op for all blocks
+            ar = model.ar
+            tokens, conf = dfly_draft_head(
+                hidden.contiguous(), anchors, fz.embed, model.head_norm.weight, model.prev_norm.weight,
+                ar.gate.weight, ar.up.weight, ar.down.weight, fz.norm_w, fz.lm_head, fz.vocab_ids,
+                fz.eps, candidates(fz, hidden, self.cfg.rescore_top_k))
+            picks = zip(tokens, conf)
+        return [Proposal(t.long(), c.float()) for t, c in picks]
 
 
 def _padded(x: torch.Tensor, t: int) -> torch.Tensor:

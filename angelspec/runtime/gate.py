@@ -1,7 +1,7 @@
 """Drafting that stops when it does not pay: D-cut's keep ratio 0, decided before drafting.
 
 D-cut trims drafts after they are made, so their drafting time is already spent. Under load a
-trained drafter (it drafts one request at a time) can cost more than every token it brings.
+trained drafter (a forward of its own every step) can cost more than every token it brings.
 Before each step the gate asks, for each drafter in the batch, whether drafting for its n
 requests raises the step's expected tokens per second. It answers from running estimates of one
 request's drafting seconds t, its draft tokens that survive D-cut k, and its accepted tokens a:
