@@ -56,8 +56,8 @@ HELDOUT_EVERY = 8  # 1 prompt in 8 (by its hash) is on the held-out side
 def held_out(prompt: str) -> bool:
     """Whether a prompt is on the held-out side: decided by the prompt itself (a hash of its
     normalised text, 1 in HELDOUT_EVERY), so no preset, count or seed ever trains on a prompt
-    that another one holds out (the split used to be the first N of each draw, and the quick and
-    full presets draw different lists)."""
+    that another one holds out (the quick and full presets draw different lists, so a split by
+    position in the draw would not hold)."""
     return zlib.crc32(_key(prompt).encode()) % HELDOUT_EVERY == 0
 
 
