@@ -40,6 +40,20 @@ def _over_context(a: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     return (rows @ m).unflatten(-2, (A, G, B)).movedim(-4, -5)
 
 
+def _block_attention(layer, q, kb, vb, kc, vc, ctx_mask=None) -> torch.Tensor:
+    """Attention of A blocks: q [..., A, H, B, D] over [context (kc, vc [..., Hkv, T, D]) ; the
+    block itself (kb, vb [..., A, Hkv, B, D]), bidirectionally] -> [..., A, H, B, D]."""
+    qg = grouped(q, layer.nkv) * layer.hd ** -0.5  # [..., A, Hkv, G, B, D]
+    s_ctx = _over_context(qg, kc.transpose(-1, -2))  # [..., A, Hkv, G, B, T]
+    if ctx_mask is not None:
+        s_ctx = s_ctx.masked_fill(~ctx_mask[..., None, None, None, :], float("-inf"))
+    s_blk = qg @ kb.unsqueeze(-3).transpose(-1, -2)  # [..., A, Hkv, G, B, B]
+    p = torch.softmax(torch.cat([s_ctx, s_blk], dim=-1), dim=-1)
+    t = kc.shape[-2]
+    out = _over_context(p[..., :t], vc) + p[..., t:] @ vb.unsqueeze(-3)
+    return out.flatten(-4, -3)
+
+
 class DFly(nn.Module):
     def __init__(self, cfg):
         super().__init__()
@@ -77,15 +91,19 @@ class DFly(nn.Module):
         ctx_mask [..., A, T]: which context positions each block sees (None: all)."""
         for layer, (kc, vc) in zip(self.layers, ctx_kv):
             q, kb, vb = layer.qkv(x, cos, sin)  # [..., A, H(kv), B, D]
-            qg = grouped(q, layer.nkv) * layer.hd ** -0.5  # [..., A, Hkv, G, B, D]
-            s_ctx = _over_context(qg, kc.transpose(-1, -2))  # [..., A, Hkv, G, B, T]
-            if ctx_mask is not None:
-                s_ctx = s_ctx.masked_fill(~ctx_mask[..., None, None, None, :], float("-inf"))
-            s_blk = qg @ kb.unsqueeze(-3).transpose(-1, -2)  # [..., A, Hkv, G, B, B]
-            p = torch.softmax(torch.cat([s_ctx, s_blk], dim=-1), dim=-1)
-            t = kc.shape[-2]
-            out = _over_context(p[..., :t], vc) + p[..., t:] @ vb.unsqueeze(-3)
-            x = layer.finish(x, out.flatten(-4, -3))
+            x = layer.finish(x, _block_attention(layer, q, kb, vb, kc, vc, ctx_mask))
+        return x
+
+    def blocks(self, x: torch.Tensor, cos, sin, contexts: list[list[tuple]]) -> torch.Tensor:
+        """One block per request, each over its own context: x [R, B, h], contexts[r] the
+        request's (k, v) per layer ([Hkv, T_r, D], views of its cache). The projections and the
+        MLP run over all R*B rows at once; only attention runs per request, exactly as `block`
+        runs it for one request alone."""
+        for i, layer in enumerate(self.layers):
+            q, kb, vb = layer.qkv(x, cos, sin)  # [R, H(kv), B, D]
+            attn = [_block_attention(layer, q[r: r + 1], kb[r: r + 1], vb[r: r + 1], *ctx[i])
+                    for r, ctx in enumerate(contexts)]
+            x = layer.finish(x, torch.cat(attn))
         return x
 
     def head(self, h: torch.Tensor, prev_emb: torch.Tensor | None) -> torch.Tensor:
@@ -102,9 +120,8 @@ class DFlyDrafter(TrainedDrafter):
     @torch.inference_mode()
     def propose(self, states: list) -> list[Proposal]:
         """Every request at once: one pass projects all requests' newly committed context
-        features into their caches, and one block forward drafts every request's block (each
-        block sees its own context: the contexts are padded to the longest and masked), and one
-        op runs every block's AR chain, link by link."""
+        features into their caches, one forward drafts every request's block (each attending
+        to its own context, in place), and one op runs every block's AR chain, link by link."""
         k = self.draft_len
         if k == 0 or not states:
             return [Proposal.empty() for _ in states]
@@ -127,15 +144,12 @@ class DFlyDrafter(TrainedDrafter):
                 cache.write(a, kk[:, row: row + e - a], vv[:, row: row + e - a])
             row += e - a
         # the blocks: request r's [anchor, MASK...] at positions n_r .. n_r + b - 1
-        b, t = self.cfg.block_size, max(ends)
+        b = self.cfg.block_size
         anchors = torch.tensor([s.tokens[-1] for s in states])  # at position n: the newest token
         x = torch.cat([fz.embed[anchors][:, None], model.mask_embed.expand(len(states), b - 1, -1)], 1)
-        ctx_kv = [(torch.stack([_padded(req[i].upto(n)[0], t) for req, n in zip(caches, ends)]),
-                   torch.stack([_padded(req[i].upto(n)[1], t) for req, n in zip(caches, ends)]))
-                  for i in range(len(model.layers))]
-        seen = torch.arange(t)[None, None, :] < torch.tensor(ends)[:, None, None]  # [R, 1, T]
-        positions = torch.tensor(ends)[:, None, None] + torch.arange(b)[None, None, :]  # [R, 1, b]
-        hidden = model.block(x[:, None], *fz.rope_tables(positions), ctx_kv, seen)[:, 0, 1: k + 1]
+        positions = torch.tensor(ends)[:, None] + torch.arange(b)[None, :]  # [R, b]
+        contexts = [[c.upto(n) for c in req] for req, n in zip(caches, ends)]
+        hidden = model.blocks(x, *fz.rope_tables(positions), contexts)[:, 1: k + 1]
         if not self.cfg.ar_head:
             picks = [self.choose(fz.logits(h), s) for s, h in zip(states, hidden)]
         else:  # the chains, each link conditioned on the token before it, one op for all blocks
@@ -146,11 +160,6 @@ class DFlyDrafter(TrainedDrafter):
                 fz.eps, candidates(fz, hidden, self.cfg.rescore_top_k))
             picks = zip(tokens, conf)
         return [Proposal(t.long(), c.float()) for t, c in picks]
-
-
-def _padded(x: torch.Tensor, t: int) -> torch.Tensor:
-    """[Hkv, n, D] -> [Hkv, t, D], zeros after n (masked out by the caller)."""
-    return torch.cat([x, x.new_zeros(x.shape[0], t - x.shape[1], x.shape[2])], 1) if x.shape[1] < t else x
 
 
 class DFlashDrafter(DFlyDrafter):
