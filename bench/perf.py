@@ -4,9 +4,10 @@ For each D-cut setting a tritonserver is started on free ports with the engine; 
 (from tritonclient[all]==2.51.0) drives the ensemble over gRPC with streaming at each concurrency,
 with held-out prompts as input data, and exports every request's timestamps and streamed outputs.
 From those: output tokens/s (the streamed text re-tokenized), time to first token and inter-token
-latency p50/p99. At concurrency 1 the same prompts also run one at a time served and in-process
-with the same engine, taking turns prompt by prompt, so the server's own overhead is measured in
-the same run. Writes perf.csv, perf.png and perf.json.
+latency p50/p99. Every point's load is then replayed in this process with the same engine, for the
+mean engine step both ways; at concurrency 1 the same prompts also run one at a time served and
+in-process, taking turns prompt by prompt, so the server's own overhead is measured in the same
+run. Writes perf.csv, perf.png and perf.json.
 """
 from __future__ import annotations
 
@@ -124,28 +125,15 @@ def run_point(grpc_port: int, metrics_port: int, inputs: pathlib.Path, concurren
     return row
 
 
-def in_process(engine, ids: list[int], drafter: str, max_tokens: int, count_tokens) -> dict:
-    """One request through the engine in this process, stepped exactly as the served model's
-    worker steps it: output tokens (counted as for the served text), seconds, steps, step time."""
-    steps, step_s, out, t0 = 0, 0.0, [], time.perf_counter()
-    engine.submit(Request(ids, SamplingParams(max_tokens=max_tokens), drafter), 0)
-    while engine.busy:
-        t = time.perf_counter()
-        events = engine.step()
-        step_s += time.perf_counter() - t
-        steps += 1
-        out += [tok for e in events for tok in e.tokens]
-    return {"tokens": count_tokens(engine.target.decode(out)), "seconds": time.perf_counter() - t0,
-            "steps": steps, "step_s": step_s}
-
-
-def in_process_load(engine, prompt_ids: list[list[int]], drafter: str, max_tokens: int,
-                    concurrency: int, requests: int) -> float:
-    """A served point's load replayed in this process: `requests` requests with `concurrency` in
-    flight, the next one admitted before the step after one finishes (as the served worker admits
-    what arrived while it stepped) -> the mean engine step in ms, to set beside the served one."""
+def in_process(engine, prompt_ids: list[list[int]], drafter: str, max_tokens: int,
+               concurrency: int = 1, requests: int | None = None) -> dict:
+    """Requests through the engine in this process, stepped as the served model's worker steps
+    them: `requests` of them (default: one per prompt, in turn) with `concurrency` in flight, the
+    next one admitted before the step after one finishes (a served point's load, replayed).
+    -> the output token ids, seconds, steps and step time."""
+    requests = len(prompt_ids) if requests is None else requests
     sent = open_ = steps = 0
-    step_s = 0.0
+    step_s, out, t0 = 0.0, [], time.perf_counter()
     while sent < requests or engine.busy:
         while open_ < concurrency and sent < requests:
             ids = prompt_ids[sent % len(prompt_ids)]
@@ -155,8 +143,15 @@ def in_process_load(engine, prompt_ids: list[list[int]], drafter: str, max_token
         events = engine.step()
         step_s += time.perf_counter() - t
         steps += 1
+        out += [tok for e in events for tok in e.tokens]
         open_ -= sum(1 for e in events if e.finish_reason)
-    return round(1e3 * step_s / steps, 2)
+    return {"ids": out, "seconds": time.perf_counter() - t0, "steps": steps, "step_s": step_s}
+
+
+def one_in_process(engine, ids: list[int], drafter: str, max_tokens: int, count_tokens) -> dict:
+    """One request in process, its output tokens counted as the served text's are."""
+    r = in_process(engine, [ids], drafter, max_tokens)
+    return {**r, "tokens": count_tokens(engine.target.decode(r.pop("ids")))}
 
 
 def served(client, results, metrics_port: int, prompt: str, drafter: str, max_tokens: int,
@@ -199,7 +194,7 @@ def overhead(engine, grpc_port: int, metrics_port: int, prompts: list[str], prom
         for i, (prompt, ids) in enumerate(zip(prompts, prompt_ids)):
             pair = [("served", lambda: served(client, results, metrics_port, prompt, drafter,
                                               max_tokens, count_tokens)),
-                    ("in_process", lambda: in_process(engine, ids, drafter, max_tokens, count_tokens))]
+                    ("in_process", lambda: one_in_process(engine, ids, drafter, max_tokens, count_tokens))]
             for way, fn in pair[::1 if i % 2 == 0 else -1]:
                 runs[way].append(fn())
     finally:
@@ -295,8 +290,8 @@ def sweep(engine_dir: str, prompts: list[str], drafters: list[str], dcuts: list[
                     row = run_point(ports["grpc"], ports["metrics"], inputs, n,
                                     out / f"export-{dcut}-{d}-{n}.json", count_req, env, count, log)
                     # the same load in this process, right after: what the step costs without Triton
-                    row["in_process_step_ms"] = in_process_load(engine, prompt_ids, d, max_tokens,
-                                                                n, count_req)
+                    replay = in_process(engine, prompt_ids, d, max_tokens, n, count_req)
+                    row["in_process_step_ms"] = round(1e3 * replay["step_s"] / replay["steps"], 2)
                     rows.append({"dcut": dcut, "drafter": d, "concurrency": n, **row})
                     if n == 1:  # the server's own overhead, served and in-process interleaved
                         costs[f"{d}, D-cut {dcut}"] = overhead(

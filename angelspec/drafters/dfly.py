@@ -151,7 +151,7 @@ class DFlyDrafter(TrainedDrafter):
         contexts = [[c.upto(n) for c in req] for req, n in zip(caches, ends)]
         hidden = model.blocks(x, *fz.rope_tables(positions), contexts)[:, 1: k + 1]
         if not self.cfg.ar_head:
-            picks = [self.choose(fz.logits(h), s) for s, h in zip(states, hidden)]
+            picks = zip(*self.choose(fz.logits(hidden), states))
         else:  # the chains, each link conditioned on the token before it, one op for all blocks
             ar = model.ar
             tokens, conf = dfly_draft_head(

@@ -78,9 +78,8 @@ class MTPDrafter(TrainedDrafter):
                     cache.write(int(pos[i]), kk[:, i: i + 1], vv[:, i: i + 1])
                     attn.append(attend(q[:, i: i + 1], *cache.upto(int(pos[i]) + 1)))
                 o = layer.finish(x, torch.cat(attn, dim=-2))
-            logits = fz.logits(o)
-            picks = [self.choose(logits[i: i + 1], s) for i, s in enumerate(states)]
-            tokens.append(torch.cat([t for t, _ in picks]))
-            confs.append(torch.cat([c for _, c in picks]))
+            t, c = self.choose(fz.logits(o), states)  # [B]
+            tokens.append(t)
+            confs.append(c)
         tokens, confs = torch.stack(tokens, 1), torch.stack(confs, 1)  # [B, k]
         return [Proposal(tokens[i].long(), confs[i].float()) for i in range(len(states))]

@@ -33,18 +33,21 @@ class GrowingKV:
         return self.k[:, :end], self.v[:, :end]
 
 
-def choose(logits: torch.Tensor, ids: torch.Tensor, state) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draft logits [n, m] over target token ids `ids` ([m] or [n, m]) -> (tokens [n],
-    confidence [n]): the argmax, and the draft's probability of it under the request's
-    sampling (greedy: plain softmax; sampling: after its temperature/top-k/top-p, the chance that
-    the target's own sample is that token, if the draft were the target)."""
+def choose(logits: torch.Tensor, ids: torch.Tensor, states: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draft logits [R, ..., m] of R requests over target token ids `ids` ([m] or logits' shape)
+    -> (tokens, confidence) [R, ...]: the argmax, and the draft's probability of it under each
+    request's sampling (greedy: plain softmax; sampling: after its temperature/top-k/top-p, the
+    chance that the target's own sample is that token, if the draft were the target). Greedy
+    requests share one softmax."""
     ids = ids.expand(logits.shape)
-    if state.params.greedy:
+    if all(s.params.greedy for s in states):
         probs = torch.softmax(logits.float(), -1)
     else:
-        probs = probs_from_logits(logits, state.params)
+        probs = torch.stack([torch.softmax(row.float(), -1) if s.params.greedy else
+                             probs_from_logits(row.reshape(-1, row.shape[-1]), s.params).reshape(row.shape)
+                             for row, s in zip(logits, states)])
     idx = probs.argmax(-1, keepdim=True)
-    return ids.gather(-1, idx)[:, 0], probs.gather(-1, idx)[:, 0]
+    return ids.gather(-1, idx)[..., 0], probs.gather(-1, idx)[..., 0]
 
 
 class TrainedDrafter(Drafter):
@@ -68,9 +71,10 @@ class TrainedDrafter(Drafter):
         self.frozen = Frozen(target.model, vocab)
         self.capture = tuple(cfg.target_layers)
 
-    def choose(self, logits: torch.Tensor, state, ids: torch.Tensor | None = None):
-        """Tokens from draft logits over the draft vocabulary, or over target ids `ids`."""
-        return choose(logits, self.frozen.vocab_ids if ids is None else ids, state)
+    def choose(self, logits: torch.Tensor, states: list, ids: torch.Tensor | None = None):
+        """Tokens from draft logits [R, ..., m] of R requests over the draft vocabulary, or over
+        target ids `ids`."""
+        return choose(logits, self.frozen.vocab_ids if ids is None else ids, states)
 
     def release(self, state) -> None:
         state.drafter_state.clear()

@@ -20,6 +20,7 @@ import dataclasses
 import hashlib
 import json
 import pathlib
+import types
 import typing
 from dataclasses import dataclass, field
 
@@ -127,10 +128,10 @@ def _load(cls, data, where: str):
     unknown = sorted(set(data) - set(fields))
     missing = sorted(n for n, f in fields.items() if n not in data
                      and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
-    if unknown or missing:
-        raise EngineError(f"{where}: " + "; ".join(
-            ([f"unknown fields {unknown}"] if unknown else []) + ([f"missing fields {missing}"] if missing else []))
-            + ": rebuild the engine")
+    problems = [f"{what} fields {names}" for what, names in (("unknown", unknown), ("missing", missing))
+                if names]
+    if problems:
+        raise EngineError(f"{where}: {'; '.join(problems)}: rebuild the engine")
     return cls(**{k: _value(hints[k], v, f"{where}: {k}") for k, v in data.items()})
 
 
@@ -138,7 +139,7 @@ def _value(hint, value, where: str):
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if dataclasses.is_dataclass(hint):
         return _load(hint, value, where)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+    if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
         return _value(next(a for a in args if a is not type(None)), value, where)
