@@ -118,22 +118,56 @@ class KVCache:
         self.v = [torch.zeros(slots, h, max_len, d, dtype=dtype) for _ in range(cfg.num_layers)]
         self.slots, self.max_len = slots, max_len
 
+    def move(self, slot: int, src: list[int], dst: list[int]) -> None:
+        """Copy the entries of positions src to positions dst in every layer (a token tree's
+        accepted path, to where the chain of its tokens belongs)."""
+        src, dst = torch.tensor(src), torch.tensor(dst)
+        for k, v in zip(self.k, self.v):
+            k[slot, :, :, dst] = k[slot, :, :, src]
+            v[slot, :, dst] = v[slot, :, src]
+
 
 @dataclass
 class Segment:
-    """One request's run of tokens inside a packed forward: cache slot, first position, length."""
+    """One request's run of tokens inside a packed forward: cache slot, first position, length.
+
+    `parents` makes the run a token tree: parents[i] < i is the index of token i's parent in the
+    run, -1 for the root (the first token). Token i is then at position start + its depth (RoPE)
+    and sees the cache before `start` and its own ancestors only; its key and value are stored at
+    start + i, whence runtime/step.py moves the accepted path's entries into place."""
     slot: int
     start: int
     length: int
+    parents: torch.Tensor | None = None
+
+    def depths(self) -> torch.Tensor:
+        """Depth of every token (0 for the root; a chain: 0..length-1)."""
+        if self.parents is None:
+            return torch.arange(self.length)
+        depth = torch.zeros(self.length, dtype=torch.long)
+        for i, p in enumerate(self.parents.tolist()):
+            depth[i] = 0 if p < 0 else depth[p] + 1
+        return depth
 
 
 class Batch:
-    """Per-token slot and position of a packed forward, built once and shared by all layers."""
+    """Per-token slot, cache position and RoPE position of a packed forward (and, for token
+    trees, each token's parent row), built once and shared by all layers."""
 
     def __init__(self, segments: list[Segment]):
         self.positions = torch.cat([torch.arange(s.start, s.start + s.length) for s in segments])
         self.slots = torch.cat([torch.full((s.length,), s.slot) for s in segments])
         self.kv_len = max(s.start + s.length for s in segments)
+        self.parents = None
+        self.rope_positions = self.positions
+        if any(s.parents is not None for s in segments):
+            rows = torch.tensor([0] + [s.length for s in segments]).cumsum(0)
+            self.parents = torch.cat([
+                torch.arange(s.length) - 1 + r if s.parents is None else
+                torch.where(s.parents >= 0, s.parents + r, -1)
+                for s, r in zip(segments, rows.tolist())])
+            self.parents[rows[:-1]] = -1
+            self.rope_positions = torch.cat([s.start + s.depths() for s in segments])
 
 
 class Llama:
@@ -248,7 +282,7 @@ class Llama:
         for i, layer in enumerate(self.layers):
             qkv = linear(rms_norm(x, layer["in_norm"], eps), layer["qkv"], layer["qkv_b"])
             qkv = qkv.view(-1, nq + 2 * nkv, hd)
-            rope_(qkv, self.cos, self.sin, batch.positions, nq + nkv)
+            rope_(qkv, self.cos, self.sin, batch.rope_positions, nq + nkv)
             q, k, v = qkv.split([nq, nkv, nkv], dim=1)
             attn = self._attention(q, k, v, batch, cache.k[i], cache.v[i])
             x = x + linear(attn, layer["o"], layer["o_b"])
@@ -268,5 +302,5 @@ class Llama:
     def _attention(self, q, k, v, batch: Batch, ck: torch.Tensor, cv: torch.Tensor):
         """q [N, H, hd], k/v [N, Hkv, hd] -> [N, H*hd]; writes k/v into the cache first."""
         out = cached_attention(q, k, v, ck, cv, batch.slots, batch.positions,
-                               self.cfg.sliding_window)
+                               self.cfg.sliding_window, batch.parents)
         return out.view(len(q), -1)

@@ -65,11 +65,13 @@ class Run:
     forward_time: float = 0.0  # seconds in verification forwards, all domains
     steps: list[int] = field(default_factory=list)  # verification forwards per prompt
     committed: list[int] = field(default_factory=list)  # tokens from those forwards
+    drafted: list[int] = field(default_factory=list)  # draft tokens (chain or tree) verified
     dcut: bool = False
     used: list = field(default_factory=list)  # the drafter each prompt used (auto routes)
 
     def __post_init__(self):
         self.outputs, self.steps, self.committed = [None] * self.n, [0] * self.n, [0] * self.n
+        self.drafted = [0] * self.n
         self.used = [None] * self.n
 
     @property
@@ -109,7 +111,7 @@ def run_engine_chunk(engine: Engine, run: Run, ids: list[list[int]], chunk: list
     run.forward_time += st.forward_time - f0
     for i, r in zip(chunk, results):
         run.outputs[i], run.steps[i], run.committed[i] = r.tokens, r.stats.steps, r.stats.committed
-        run.used[i] = r.drafter
+        run.drafted[i], run.used[i] = r.stats.drafted, r.drafter
 
 
 class HFRunner:
@@ -256,6 +258,8 @@ def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_t
                    "seconds": None, "tokens_per_s": None,
                    "mean_accept_len": None if run.drafter == "hf" else
                    round(sum(run.committed[i] for i in idx) / max(steps, 1), 3),
+                   "verified_per_step": None if run.drafter == "hf" else
+                   round(sum(run.drafted[i] for i in idx) / max(steps, 1), 2),
                    "speedup_vs_ar": None,
                    "lossless": all(verdicts[i] != "diverged" for i in idx),
                    "near_ties": sum(verdicts[i] == "near_tie" for i in idx),
@@ -309,7 +313,7 @@ def format_table(result: dict) -> str:
              f"{cfg['threads']} threads  |  "
              f"weights {cfg['weight_mb']} MB {cfg.get('weights', 'float32')}, "
              f"machine streams {cfg['stream_bandwidth_gb_per_s']} GB/s",
-             f"{'drafter':<12} {'domain':<6} {'tok/s':>8} {'accept':>7} {'speedup':>8} "
+             f"{'drafter':<22} {'domain':<6} {'tok/s':>8} {'accept':>7} {'verify':>6} {'speedup':>8} "
              f"{'GB/s':>6} {'%bw':>5} {'lossless':>9} {'near_ties':>9} {'draft/fwd':>9}  used"]
     num = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     for r in result["results"]:
@@ -317,8 +321,9 @@ def format_table(result: dict) -> str:
             100 * r["weight_gb_per_s"] / cfg["stream_bandwidth_gb_per_s"]
         name = r["drafter"] + ("+dcut" if r.get("dcut") else "")
         used = " ".join(f"{d}:{n}" for d, n in r.get("drafter_used", {}).items())
-        lines.append(f"{name:<12} {r['domain']:<6} {num(r['tokens_per_s'], '8.2f'):>8} "
-                     f"{num(r['mean_accept_len'], '.2f'):>7} {num(r['speedup_vs_ar'], '7.2f'):>7}x "
+        lines.append(f"{name:<22} {r['domain']:<6} {num(r['tokens_per_s'], '8.2f'):>8} "
+                     f"{num(r['mean_accept_len'], '.2f'):>7} {num(r.get('verified_per_step'), '.1f'):>6} "
+                     f"{num(r['speedup_vs_ar'], '7.2f'):>7}x "
                      f"{num(r['weight_gb_per_s'], '6.1f'):>6} {num(pct, '4.0f'):>4}% "
                      f"{str(r['lossless']).lower():>9} {r['near_ties']:>9} "
                      f"{num(r.get('draft_per_forward'), '.3f'):>9}  {used}")

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from angelspec.builders.backend import choose
 from angelspec.builders.trtllm import export as export_trtllm
 from angelspec.checkpoint import CheckpointError, load_target
-from angelspec.drafters import TRAINED, Datastore, make_drafter
+from angelspec.drafters import TRAINED, Datastore, make_drafter, parse_spec, parts
 from angelspec.plugins import RATIOS, SKINNY_MAX_ROWS
 from angelspec.prompts import DEFAULT_PROMPTS, DOMAINS, load_prompts
 from angelspec.runtime import Engine, Request, SamplingParams
@@ -37,7 +37,7 @@ from angelspec.runtime.manifest import (
     TargetInfo,
     WeightsChoice,
 )
-from angelspec.runtime.router import DEFAULT_ROUTES, DomainClassifier, Router, contenders
+from angelspec.runtime.router import CANDIDATES, DEFAULT_ROUTES, DomainClassifier, Router, contenders
 
 DRAFT_FILES = ("config.json", "model.safetensors")
 
@@ -200,7 +200,8 @@ def _build(target_dir: pathlib.Path, drafts_dir: pathlib.Path, out: pathlib.Path
     if data is not None:
         clf, accuracy = train_router(target, data)
         save_file(clf.state_dict(), str(out / "router.safetensors"))
-        candidates = [c for c in ("mtp", "dfly", "ngram") if c in set(kinds) | {"ngram"}]
+        served = set(kinds) | {"ngram"}
+        candidates = [c for c in CANDIDATES if all(parse_spec(p)[0] in served for p in parts(c))]
         bar.set_postfix_str("router: measuring drafters per domain")
         # at fixed draft lengths: the drafters' own speed (under D-cut the gate would run a
         # losing drafter as `none`, which on 3 prompts can tie a weak domain's best by chance)

@@ -7,7 +7,7 @@ dcut_select, dfly_draft_head. Every op has a fake implementation (torch.compile 
 """
 from angelspec.plugins import fakes  # noqa: F401  (registers the fake kernels)
 from angelspec.plugins.attention import cached_attention
-from angelspec.plugins.dcut import RATIOS, dcut_select, interpolate_cost
+from angelspec.plugins.dcut import RATIOS, dcut_select, interpolate_cost, survival
 from angelspec.plugins.dfly_head import dfly_draft_head
 from angelspec.plugins.layer_ops import rms_norm, rope_, silu_mul
 from angelspec.plugins.linear import SKINNY_MAX_ROWS, amx_available, can_pack, linear, pack_bf16
@@ -15,4 +15,4 @@ from angelspec.plugins.verify import verify_greedy, verify_rejection
 
 __all__ = ["cached_attention", "linear", "rms_norm", "rope_", "silu_mul", "SKINNY_MAX_ROWS",
            "verify_greedy", "verify_rejection", "dcut_select", "dfly_draft_head", "RATIOS",
-           "interpolate_cost", "amx_available", "can_pack", "pack_bf16"]
+           "interpolate_cost", "survival", "amx_available", "can_pack", "pack_bf16"]

@@ -1,14 +1,18 @@
-"""D-cut (`angelspec::dcut_select`): how many of a batch's draft tokens one step verifies
+"""D-cut (`angelspec::dcut_select`): which of a batch's draft tokens one step verifies
 (docs/algorithms.md, section 3).
 
-Survival s_{i,k} = prod_{t<=k} c_{i,t} estimates P(request i's first k drafts are all accepted).
-For each keep ratio rho (0, 0.25, 0.5, 0.75, 1), K = ceil(rho * sum_i D_i) and the GLOBAL top-K survivals are kept
-(a prefix of every request's draft, since s is non-increasing in k); the utility is
+Drafts are chains or token trees (each token's parent given, -1 for a child of the anchor).
+Survival s_n = prod of the confidences c on the path to token n estimates P(token n is accepted);
+along a path it never grows. For each keep ratio rho (0, 0.25, 0.5, 0.75, 1),
+K = ceil(rho * sum_i D_i) and the GLOBAL top-K survivals of the batch are kept (ties in draft
+order, so a token is never kept without its parent: for a chain, a prefix); the utility is
 
     U(rho) = (bs + sum of the kept survivals) / (T_draft + C(bs + K) + T_fixed)
 
 with C(n) the measured time of one packed verification forward over n tokens. The largest U
 wins, ties to the smaller rho; the anchor of every request is always verified (bs tokens).
+The sum of the kept survivals is the expected number of accepted tokens: a tree accepts at most
+one child per parent, so its tokens' acceptances add up like a chain's.
 """
 import math
 
@@ -31,36 +35,43 @@ def interpolate_cost(n: Tensor, cost_n: Tensor, cost_t: Tensor) -> Tensor:
     return torch.where(n <= cost_n[0], cost_t[0], y)
 
 
+def survival(confidence: Tensor, parents: Tensor, lengths: Tensor) -> Tensor:
+    """Per draft token, the product of the confidences on its path (request by request; parents
+    index within the request, -1 for a child of the anchor, parents first)."""
+    conf = confidence.double().clamp(1e-30, 1.0).tolist()
+    out, tok = [], 0
+    for k in lengths.tolist():
+        for i in range(k):
+            p = int(parents[tok + i])
+            out.append(conf[tok + i] * (out[tok + p] if p >= 0 else 1.0))
+        tok += k
+    return torch.tensor(out, dtype=torch.float64)
+
+
 @torch.library.custom_op("angelspec::dcut_select", mutates_args=())
-def dcut_select(confidence: Tensor, lengths: Tensor, t_draft: float, t_fixed: float,
-                cost_n: Tensor, cost_t: Tensor, ratios: Tensor) -> tuple[Tensor, Tensor]:
-    """confidence [sum(lengths)] (request by request, in draft order), lengths [B], times in
-    seconds, cost table (cost_n [P] total verified tokens, cost_t [P] seconds), ratios [R]
-    ascending -> (chosen ratio [] float64, kept prefix length per request [B] long)."""
+def dcut_select(confidence: Tensor, lengths: Tensor, parents: Tensor, t_draft: float,
+                t_fixed: float, cost_n: Tensor, cost_t: Tensor, ratios: Tensor) -> tuple[Tensor, Tensor]:
+    """confidence and parents [sum(lengths)] (request by request, in draft order), lengths [B],
+    times in seconds, cost table (cost_n [P] total verified tokens, cost_t [P] seconds), ratios
+    [R] ascending -> (chosen ratio [] float64, keep [sum(lengths)] bool: the tokens verified)."""
     lengths = lengths.long()
     bs, total = len(lengths), int(lengths.sum())
     if total == 0:
-        return torch.tensor(1.0, dtype=torch.float64), lengths.clone()
-    req = torch.repeat_interleave(torch.arange(bs), lengths)
-    # survival = cumulative product within each request, through cumulative log sums
-    logc = confidence.double().clamp_min(1e-30).log()
-    cum = logc.cumsum(0)
-    start = lengths.cumsum(0) - lengths
-    before = torch.where(start > 0, cum[(start - 1).clamp_min(0)], torch.zeros_like(start, dtype=cum.dtype))
-    survival = (cum - before[req]).exp()
-    # a stable sort keeps each request's entries in draft order among equal survivals
-    order = torch.sort(survival, descending=True, stable=True).indices
-    prefix = torch.cat([survival.new_zeros(1), survival[order].cumsum(0)])
+        return torch.tensor(1.0, dtype=torch.float64), torch.zeros(0, dtype=torch.bool)
+    surv = survival(confidence, parents, lengths)
+    # a stable sort keeps draft order among equal survivals: parents before their children
+    order = torch.sort(surv, descending=True, stable=True).indices
+    prefix = torch.cat([surv.new_zeros(1), surv[order].cumsum(0)])
     ks = torch.tensor([math.ceil(float(r) * total - 1e-9) for r in ratios], dtype=torch.long)
     cost = interpolate_cost((bs + ks).double(), cost_n, cost_t)
     utility = (bs + prefix[ks]) / (t_draft + cost + t_fixed)
     best = int(torch.nonzero(utility >= utility.max() * (1 - 1e-12))[0])  # ties: the smaller ratio
-    keep = torch.zeros(bs, dtype=torch.long).scatter_add_(
-        0, req[order[: ks[best]]], torch.ones(int(ks[best]), dtype=torch.long))
+    keep = torch.zeros(total, dtype=torch.bool)
+    keep[order[: ks[best]]] = True
     return torch.tensor(float(ratios[best]), dtype=torch.float64), keep
 
 
 @dcut_select.register_fake
-def _(confidence, lengths, t_draft, t_fixed, cost_n, cost_t, ratios):
+def _(confidence, lengths, parents, t_draft, t_fixed, cost_n, cost_t, ratios):
     return (torch.empty((), dtype=torch.float64, device=confidence.device),
-            lengths.new_empty(lengths.shape, dtype=torch.long))
+            confidence.new_empty(confidence.shape, dtype=torch.bool))

@@ -21,15 +21,16 @@ from angelspec.plugins.linear import linear
 def dfly_draft_head(hidden: Tensor, anchor: Tensor, embed: Tensor, head_norm: Tensor,
                     prev_norm: Tensor, gate: Tensor, up: Tensor, down: Tensor, final_norm: Tensor,
                     lm_head: Tensor, vocab_ids: Tensor, eps: float,
-                    candidates: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                    candidates: Optional[Tensor] = None, width: int = 1) -> tuple[Tensor, Tensor]:
     """The chains of R blocks at once: hidden [R, k, h] (backbone output per draft position),
     anchor [R] long, embed [V, h], lm_head [Vd, h] rows of the draft vocabulary with target ids
     vocab_ids [Vd]; candidates [R, k, c] (optional): re-score only these draft-vocabulary
     indices per position. Each link is one product over the R rows (the weights read once).
-    Returns (tokens [R, k] target ids, confidence [R, k] = the draft's probability of each)."""
+    Returns (tokens [R, k, width] target ids, confidence [R, k, width] = the draft's probability
+    of each): at each link the best `width` tokens, best first; the chain goes on with the best."""
     r, k, h = hidden.shape
-    tokens = torch.empty(r, k, dtype=torch.long)
-    conf = torch.empty(r, k, dtype=hidden.dtype)
+    tokens = torch.empty(r, k, width, dtype=torch.long)
+    conf = torch.empty(r, k, width, dtype=hidden.dtype)
     hn = F.rms_norm(hidden, (h,), head_norm, eps)
     prev = anchor.reshape(r)
     for i in range(k):
@@ -43,15 +44,14 @@ def dfly_draft_head(hidden: Tensor, anchor: Tensor, embed: Tensor, head_norm: Te
             rows = candidates[:, i]
             logits = torch.stack([lm_head[rows[b]] @ yn[b] for b in range(r)])
             ids = vocab_ids[rows]
-        probs = torch.softmax(logits.float(), -1)
-        j = probs.argmax(-1, keepdim=True)
-        prev = ids.gather(-1, j)[:, 0]
-        tokens[:, i], conf[:, i] = prev, probs.gather(-1, j)[:, 0]
+        p, j = torch.softmax(logits.float(), -1).topk(width, dim=-1)
+        tokens[:, i], conf[:, i] = ids.gather(-1, j), p
+        prev = tokens[:, i, 0]
     return tokens, conf
 
 
 @dfly_draft_head.register_fake
 def _(hidden, anchor, embed, head_norm, prev_norm, gate, up, down, final_norm, lm_head, vocab_ids,
-      eps, candidates=None):
+      eps, candidates=None, width=1):
     r, k = hidden.shape[:2]
-    return hidden.new_empty(r, k, dtype=torch.long), hidden.new_empty(r, k)
+    return hidden.new_empty(r, k, width, dtype=torch.long), hidden.new_empty(r, k, width)

@@ -23,7 +23,7 @@ def _(w):
 
 
 @torch.library.register_fake("angelspec::cached_attention")
-def _(q, k, v, k_cache, v_cache, slots, positions, window):
+def _(q, k, v, k_cache, v_cache, slots, positions, parents, window):
     return torch.empty_like(q)
 
 

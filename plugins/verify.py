@@ -1,51 +1,61 @@
-"""Batched verification of ragged drafts (`angelspec::verify_greedy`, `angelspec::verify_rejection`).
+"""Batched verification of ragged drafts, chains or token trees (`angelspec::verify_greedy`,
+`angelspec::verify_rejection`).
 
 Layout shared by both ops (PACKED, as the verification forward runs): request b owns
 `lengths[b] + 1` consecutive rows - its anchor row, then one row per draft token - and its draft
-tokens are `lengths[b]` consecutive entries of `draft`. Both return (accepted [B], last [B]): the
-number of draft tokens kept, and the one token of the target's own that ends the step (the bonus
-token after a full accept, else the correction at the first rejected position).
+tokens are `lengths[b]` consecutive entries of `draft`, with `parents` (same layout): the index of
+each token's parent among its request's tokens, -1 for a child of the anchor (a chain: -1, 0, 1,
+...; parents come before their children). Both return (accepted [B], last [B], leaf [B]): the
+number of draft tokens kept (the depth of the deepest accepted token), the one token of the
+target's own that ends the step (the bonus token after it, or the correction where no child
+matches), and the index of that deepest accepted token (-1: none).
 """
 import torch
 from torch import Tensor
 
 
-def _segments(lengths: Tensor):
-    """Per draft token: its request and its row; per request: its first row and first token."""
-    lengths = lengths.long()
-    rows = lengths + 1
-    row0 = rows.cumsum(0) - rows
-    tok0 = lengths.cumsum(0) - lengths
-    req = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
-    local = torch.arange(int(lengths.sum())) - tok0[req]
-    return lengths, row0, req, local, row0[req] + local
+def _accept(own: Tensor, draft: Tensor, lengths: Tensor, parents: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """own [N]: the target's own token at every row. A draft token is accepted when its parent is
+    (the anchor always is) and it equals the target's own token at its parent's row; each request
+    keeps its deepest accepted token's path (the first of equal depth) and ends with the target's
+    own token after it."""
+    own, draft, parents = own.tolist(), draft.tolist(), parents.tolist()
+    accepted, last, leaf = [], [], []
+    row, tok = 0, 0
+    for k in lengths.tolist():
+        depth = [0] * k  # 0: not accepted, else the token's depth
+        best, best_depth = -1, 0
+        for i in range(k):
+            p = parents[tok + i]
+            up = 0 if p < 0 else depth[p]
+            if (p < 0 or up) and draft[tok + i] == own[row + 1 + p]:
+                depth[i] = up + 1
+                if depth[i] > best_depth:
+                    best, best_depth = i, depth[i]
+        accepted.append(best_depth)
+        last.append(own[row + 1 + best])
+        leaf.append(best)
+        row, tok = row + k + 1, tok + k
+    as_long = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
+    return as_long(accepted), as_long(last), as_long(leaf)
 
 
-def _leading(ok: Tensor, lengths: Tensor, req: Tensor, local: Tensor) -> Tensor:
-    """Per request, how many of its entries in `ok` are True before the first False."""
-    first_bad = torch.where(ok, lengths[req], local)
-    return lengths.clone().scatter_reduce_(0, req, first_bad, "amin", include_self=True)
-
-
-def _accept(own: Tensor, draft: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
-    """own [N]: the target's own token at every row. Keep each draft token while it equals the
-    target's own token at its position; the step ends with the target's own token after them."""
-    lengths, row0, req, local, row = _segments(lengths)
-    accepted = _leading(own[row] == draft, lengths, req, local)
-    return accepted, own[row0 + accepted]
+def _fake_result(lengths):
+    return tuple(lengths.new_empty(lengths.shape, dtype=torch.long) for _ in range(3))
 
 
 @torch.library.custom_op("angelspec::verify_greedy", mutates_args=())
-def verify_greedy(logits: Tensor, draft: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
-    """logits [N, V] (N = sum(lengths + 1)), draft [sum(lengths)], lengths [B]: keep each draft
-    token while it is the target's argmax at its position."""
+def verify_greedy(logits: Tensor, draft: Tensor, lengths: Tensor,
+                  parents: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """logits [N, V] (N = sum(lengths + 1)), draft and parents [sum(lengths)], lengths [B]: keep
+    draft tokens while each is the target's argmax at its parent's position."""
     # max's indices are argmax's (the first maximum), at a third of the time on CPU
-    return _accept(logits.max(-1).indices, draft, lengths)
+    return _accept(logits.max(-1).indices, draft, lengths, parents)
 
 
 @verify_greedy.register_fake
-def _(logits, draft, lengths):
-    return lengths.new_empty(lengths.shape, dtype=torch.long), lengths.new_empty(lengths.shape, dtype=torch.long)
+def _(logits, draft, lengths, parents):
+    return _fake_result(lengths)
 
 
 def sample_inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
@@ -56,22 +66,25 @@ def sample_inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
 
 
 @torch.library.custom_op("angelspec::verify_rejection", mutates_args=())
-def verify_rejection(probs: Tensor, draft: Tensor, lengths: Tensor,
-                     uniforms: Tensor) -> tuple[Tensor, Tensor]:
+def verify_rejection(probs: Tensor, draft: Tensor, lengths: Tensor, parents: Tensor,
+                     uniforms: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Speculative rejection sampling of deterministic proposals: the committed tokens are
     distributed exactly as the target's.
 
     probs [N, V]: the target's distribution at every row (after temperature/top-k/top-p);
-    uniforms [N]: one per row. With q one-hot at the draft token, the rule of docs/algorithms.md (section 0)
-    (accept with probability min(1, p/q), else sample max(p - q, 0)) is "accept iff the target's
-    own sample equals the draft"; here the target's own sample at row r is the inverse-CDF draw
-    of probs[r] at uniforms[r]. So the committed tokens are exactly those of sampling the target
-    one token at a time with the same uniforms, whatever was drafted: keyed by position, a seed
-    repeats its output under any drafter, draft length or batch.
+    uniforms [N]: one per row (a tree's rows at one depth share their position's). With q one-hot
+    at the draft token, the rule of docs/algorithms.md (section 0) (accept with probability
+    min(1, p/q), else sample max(p - q, 0)) is "accept iff the target's own sample equals the
+    draft"; here the target's own sample at row r is the inverse-CDF draw
+    of probs[r] at uniforms[r]. In a tree, the path followed descends at each depth into the child
+    that equals the target's own sample there (siblings differ, so at most one does). So the
+    committed tokens are exactly those of sampling the target one token at a time with the same
+    uniforms, whatever was drafted: keyed by position, a seed repeats its output under any drafter,
+    draft length, tree shape or batch.
     """
-    return _accept(sample_inverse_cdf(probs, uniforms), draft, lengths)
+    return _accept(sample_inverse_cdf(probs, uniforms), draft, lengths, parents)
 
 
 @verify_rejection.register_fake
-def _(probs, draft, lengths, uniforms):
-    return lengths.new_empty(lengths.shape, dtype=torch.long), lengths.new_empty(lengths.shape, dtype=torch.long)
+def _(probs, draft, lengths, parents, uniforms):
+    return _fake_result(lengths)

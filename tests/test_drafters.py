@@ -217,10 +217,11 @@ def test_greedy_lossless_with_trained_drafters(target8, tmp_path, kind):
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     ref = Engine(target8, max_batch=1, max_len=200).generate(
         [Request(p, params, "none") for p in prompts])
-    for batch in (1, 3):
+    for batch, spec in ((1, kind), (3, kind), (1, f"{kind}:branches=3"), (3, f"{kind}:branches=2"),
+                        (3, f"ngram+{kind}:branches=2")):
         eng = Engine(target8, max_batch=batch, max_len=200, drafts=str(tmp_path))
-        out = eng.generate([Request(p, params, kind) for p in prompts])
-        assert [r.tokens for r in out] == [r.tokens for r in ref]
+        out = eng.generate([Request(p, params, spec) for p in prompts])
+        assert [r.tokens for r in out] == [r.tokens for r in ref], spec
         assert sum(r.stats.drafted for r in out) > 0
 
 
@@ -253,6 +254,31 @@ def test_batched_drafting_proposes_what_one_request_at_a_time_does(target8, tmp_
             assert p.tokens.tolist() == q.tokens.tolist()
             torch.testing.assert_close(p.confidence, q.confidence, rtol=1e-4, atol=1e-6)
         assert all(len(p.tokens) == together.draft_len for p in batch)
+
+
+@pytest.mark.parametrize("kind", ["mtp", "dfly", "dflash"])
+def test_trained_drafters_grow_trees_around_their_chain(target8, tmp_path, kind):
+    """branches=3: the chain a drafter proposes alone comes first, then the runners-up along it,
+    then its other first guesses continued; for the whole batch as for one request alone."""
+    cfg, model = draft(target8, kind, vocab=60 if kind != "dflash" else 0)
+    g = torch.Generator().manual_seed(12)
+    seqs = [torch.randint(1, 96, (n,), generator=g).tolist() for n in (9, 30)]
+    chain = served(target8, tmp_path / "c", cfg, model)
+    save_draft(tmp_path / "t" / kind, cfg, model.state_dict())
+    tree = make_drafter(f"{kind}:branches=3", None, target8, tmp_path / "t")
+    views = lambda d: [state_at(t, len(t) - 1, d, features(target8, t, sorted(set(cfg.target_layers))))  # noqa: E731
+                       for t in seqs]
+    chains, trees = chain.propose(views(chain)), tree.propose(views(tree))
+    alone = [tree.propose([v])[0] for v in views(tree)]
+    k = chain.draft_len
+    for c, t, a in zip(chains, trees, alone):
+        assert c.parents is None and t.parents is not None
+        assert t.tokens[:k].tolist() == c.tokens.tolist() and t.parents[:k].tolist() == list(range(-1, k - 1))
+        firsts = t.tokens[t.parents == -1].tolist()
+        assert len(firsts) == len(set(firsts)) == 3  # three different first guesses
+        assert t.depth() == k and len(t.tokens) == k + 2 * (k - 1) + 2 * (k - 1) + 2
+        assert t.tokens.tolist() == a.tokens.tolist() and t.parents.tolist() == a.parents.tolist()
+        assert bool((t.confidence > 0).all() and (t.confidence <= 1).all())
 
 
 @pytest.mark.parametrize("vocab", [[78], [17, 78]])
@@ -356,3 +382,19 @@ def test_ngram_context_index_matches_a_scan_of_the_whole_context():
             for max_n, min_n in ((3, 2), (1, 1), (3, 1)):
                 assert index.lookup(tokens, 4, max_n, min_n) == scan(tokens, 4, max_n, min_n)
             tokens += torch.randint(0, 6, (int(torch.randint(1, 5, (), generator=g)),), generator=g).tolist()
+
+
+def test_ngram_tree_offers_the_contexts_other_continuations():
+    """branches=3: the usual draft first, then what followed the other recent matches of the
+    context's suffix n-grams (longest first), merged where they share a prefix."""
+    from angelspec.drafters import NgramDrafter
+    from angelspec.runtime.request import RequestState
+
+    tokens = [5, 6, 1, 2, 5, 6, 3, 4, 5, 6, 1, 9, 5, 6]
+    s = RequestState(0, tokens, len(tokens), SamplingParams(), "ngram", None)
+    chain = NgramDrafter(draft_len=2).propose([s.view("a")])[0]
+    tree = NgramDrafter(draft_len=2, branches=3).propose([s.view("b")])[0]
+    assert chain.tokens.tolist() == [1, 9] and chain.parents is None  # the latest match of "5 6"
+    # then "5 6 3 4" and "5 6 1 2": 1 is shared with the first draft, so only 2 is new
+    assert tree.tokens.tolist() == [1, 9, 3, 4, 2] and tree.parents.tolist() == [-1, 0, -1, 2, 0]
+    assert tree.confidence[2] < tree.confidence[0]  # the others count half

@@ -33,6 +33,25 @@ for a, b in [(39, 40), (30, 38), (0, 1)]:
 kk, vv = k.repeat_interleave(3, 1).transpose(0, 1), v.repeat_interleave(3, 1).transpose(0, 1)
 ref = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), kk, vv, is_causal=True)
 assert (full - ref.transpose(0, 1)).abs().max() < 1e-5
+# a token tree: each node's row equals the one-token row at its depth once its path is committed
+L, parents = 37, [-1, 0, 1, 0, 3, 2, 1, 4]
+N, one = len(parents), torch.ones(1, dtype=torch.long)
+q, k, v = torch.randn(N, H, D, generator=g), torch.randn(N, Hkv, D, generator=g), torch.randn(N, Hkv, D, generator=g)
+def cache():
+    kc, vc = torch.zeros(2, Hkv, D, M), torch.zeros(2, Hkv, M, D)
+    ops.cached_attention(torch.zeros(L, H, D), full[:L, :Hkv], full[:L, Hkv:2 * Hkv], kc, vc,
+                         torch.ones(L, dtype=torch.long), torch.arange(L))
+    return kc, vc
+tree = ops.cached_attention(q, k, v, *cache(), torch.ones(N, dtype=torch.long), L + torch.arange(N),
+                            parents=torch.tensor(parents))
+for n in range(N):
+    path = [n]
+    while parents[path[-1]] >= 0:
+        path.append(parents[path[-1]])
+    kc, vc = cache()
+    for depth, m in enumerate(reversed(path)):
+        row = ops.cached_attention(q[m:m + 1], k[m:m + 1], v[m:m + 1], kc, vc, one, one * (L + depth))
+    assert torch.equal(row, tree[n:n + 1]), n
 print("ok", torch.backends.cpu.get_cpu_capability())
 """
 

@@ -30,6 +30,26 @@ class NoisyOracle(Drafter):
         return out
 
 
+class TreeOracle(NoisyOracle):
+    """Three noisy copies of the true continuation merged into a token tree, in random order: the
+    accepted path often runs through a later branch, whose KV entries must move into place."""
+    name = "tree"
+
+    def propose(self, states):
+        out = []
+        for s in states:
+            full = self.reference[tuple(s.tokens[:s.n_prompt])]
+            done = len(s.tokens) - s.n_prompt
+            truth = full[done: done + self.draft_len]
+            paths = []
+            for _ in range(3):
+                wrong = (torch.rand(len(truth), generator=self.g) < self.p_wrong).tolist()
+                noise = torch.randint(0, 97, (len(truth),), generator=self.g).tolist()
+                paths.append(([n if w else t for t, n, w in zip(truth, noise, wrong)], [0.7] * len(truth)))
+            out.append(Proposal.tree(paths))
+        return out
+
+
 def prompts(n, vocab=97, seed=0):
     g = torch.Generator().manual_seed(seed)
     lengths = [3, 17, 8, 30, 1, 12][:n]
@@ -64,22 +84,23 @@ def test_greedy_speculative_output_equals_autoregressive(tiny, batch, draft_len)
 
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("dcut", [False, True])
-def test_seeded_sampling_equals_the_autoregressive_sample_whatever_is_drafted(tiny, batch, dcut):
+@pytest.mark.parametrize("tree", [False, True])
+def test_seeded_sampling_equals_the_autoregressive_sample_whatever_is_drafted(tiny, batch, dcut, tree):
     """Sampling: the target's own token at each position is drawn with a uniform keyed by (seed,
     position), and a draft token is kept iff it equals it. So a seeded speculative sample is the
-    seeded batch-1 autoregressive sample, token for token, under any drafter, draft length, D-cut
-    and batch (that it follows the target's distribution: test_sampling.py)."""
+    seeded batch-1 autoregressive sample, token for token, under any drafter, draft length, tree
+    shape, D-cut and batch (that it follows the target's distribution: test_sampling.py)."""
     from angelspec.runtime.cost import CostTable, fingerprint
 
     ps = prompts(6)
     params = [SamplingParams(max_tokens=30, temperature=0.8, top_p=0.95, seed=i) for i in range(6)]
     ar = Engine(tiny, max_batch=1, max_len=256)
     ref = [ar.generate([Request(p, q, "ar")])[0].tokens for p, q in zip(ps, params)]
-    oracle = NoisyOracle({tuple(p): r for p, r in zip(ps, ref)}, 5, seed=2)
+    oracle = (TreeOracle if tree else NoisyOracle)({tuple(p): r for p, r in zip(ps, ref)}, 5, seed=2)
     cost = CostTable([1, 8, 32, 128], [0.03 + 0.002 * (n - 1) for n in (1, 8, 32, 128)], fingerprint())
     eng = Engine(tiny, max_batch=batch, max_len=256, drafters={"oracle": oracle}, dcut=dcut,
                  cost=cost if dcut else None)
-    for drafter in ("oracle", "ngram"):
+    for drafter in ("oracle", "ngram:branches=3" if tree else "ngram"):
         out = eng.generate([Request(p, q, drafter) for p, q in zip(ps, params)])
         assert [r.tokens for r in out] == ref, drafter
         if drafter == "oracle":
@@ -101,6 +122,53 @@ def test_ngram_with_a_datastore_is_lossless(tiny, batch):
     results = eng.generate([Request(p, SamplingParams(max_tokens=40), "ngram") for p in ps])
     assert [r.tokens for r in results] == ref
     assert sum(r.stats.accepted for r in results[:3]) > sum(r.stats.accepted for r in results[3:])
+
+
+@pytest.mark.parametrize("batch", [1, 6])
+@pytest.mark.parametrize("dcut", [False, True])
+def test_token_trees_are_lossless(tiny, batch, dcut):
+    """Trees: every node attends to its own ancestors only, and the deepest path the target
+    follows is committed with its KV moved into place: greedy output is batch-1 `ar`'s for the
+    oracle's trees and ngram's (seeded sampling: the test above)."""
+    from angelspec.runtime.cost import CostTable, fingerprint
+
+    ps = prompts(6)
+    ref = autoregressive(tiny, ps, 40)
+    cost = CostTable([1, 8, 32, 128], [0.03 + 0.002 * (n - 1) for n in (1, 8, 32, 128)], fingerprint())
+    oracle = TreeOracle({tuple(p): r for p, r in zip(ps, ref)}, 5, p_wrong=0.4, seed=batch)
+    eng = Engine(tiny, max_batch=batch, max_len=256, drafters={"tree": oracle}, dcut=dcut,
+                 cost=cost if dcut else None)
+    for drafter in ("tree", "ngram:branches=3"):
+        out = eng.generate([Request(p, SamplingParams(max_tokens=40), drafter) for p in ps])
+        assert [r.tokens for r in out] == ref, drafter
+        if drafter == "tree":
+            assert sum(r.stats.accepted for r in out) > sum(r.stats.steps for r in out) * 0.5
+
+
+def test_a_tree_path_through_later_branches_leaves_the_cache_as_prefill_does(tiny):
+    """After steps that accepted paths through second and third branches, the cache holds what a
+    fresh prefill of the committed tokens computes."""
+    ps = prompts(3)
+    ref = autoregressive(tiny, ps, 30)
+    oracle = TreeOracle({tuple(p): r for p, r in zip(ps, ref)}, 5, p_wrong=0.5)
+    eng = Engine(tiny, max_batch=3, max_len=128, drafters={"tree": oracle})
+    moved = []
+    move = eng.cache.move
+    eng.cache.move = lambda slot, src, dst: (moved.append(slot), move(slot, src, dst))
+    committed = {i: list(p) for i, p in enumerate(ps)}
+    for ev in eng.stream([Request(p, SamplingParams(max_tokens=30), "tree") for p in ps]):
+        committed[ev.index] += ev.tokens
+        if ev.finish_reason or not ev.tokens:
+            continue
+        toks = committed[ev.index][:-1]
+        fresh = tiny.model.new_cache(1, 128)
+        tiny.model.forward(torch.tensor(toks), tiny.model.batch([Segment(0, 0, len(toks))]), fresh)
+        for layer in range(tiny.config.num_layers):
+            assert torch.allclose(eng.cache.k[layer][ev.index, ..., :len(toks)],
+                                  fresh.k[layer][0, ..., :len(toks)], atol=1e-5)
+            assert torch.allclose(eng.cache.v[layer][ev.index, :, :len(toks)],
+                                  fresh.v[layer][0, :, :len(toks)], atol=1e-5)
+    assert len(moved) > 3  # some accepted paths ran through a later branch
 
 
 def test_kv_rollback_leaves_cache_equal_to_fresh_prefill(tiny):

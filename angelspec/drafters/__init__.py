@@ -1,12 +1,13 @@
 """Drafter registry. `none` (shown as `ar`) is plain autoregressive decoding; `ngram` needs no
 training (it uses `<drafts>/ngram/`, the datastore of the target's own responses, when there is
 one; `ngram:datastore=0` does without); `mtp`, `dfly` and `dflash` load a trained draft
-(`<drafts>/<name>/`) for the target."""
+(`<drafts>/<name>/`) for the target. Joined by `+` (`ngram+mtp`), drafters draft one hybrid tree."""
 import pathlib
 import re
 
 from angelspec.drafters.base import Drafter, Proposal
 from angelspec.drafters.dfly import DFlashDrafter, DFlyDrafter
+from angelspec.drafters.hybrid import HybridDrafter
 from angelspec.drafters.mtp import MTPDrafter
 from angelspec.drafters.ngram import Datastore, NgramDrafter
 
@@ -21,8 +22,9 @@ DEFAULT_DRAFTS = pathlib.Path("build/drafts")
 # their allowed range: the one check for the CLI, the Python API and the server alike
 OPTIONS = {
     "none": {},
-    "ngram": {"draft_len": (1, 32), "max_ngram": (1, 8), "min_ngram": (1, 8), "datastore": (0, 1)},
-    **{kind: {"draft_len": (1, 32), "rescore_top_k": (0, 1024), "draft_vocab": (0, 0)}
+    "ngram": {"draft_len": (1, 32), "max_ngram": (1, 8), "min_ngram": (1, 8), "datastore": (0, 1),
+              "branches": (1, 8)},
+    **{kind: {"draft_len": (1, 32), "rescore_top_k": (0, 1024), "draft_vocab": (0, 0), "branches": (1, 8)}
        for kind in TRAINED},
 }
 
@@ -56,15 +58,34 @@ def parse_spec(name: str) -> tuple[str, dict]:
     return key, options
 
 
+def parts(name: str) -> list[str]:
+    """The drafters of a (hybrid) name: "ngram+mtp:branches=2" -> ["ngram", "mtp:branches=2"]."""
+    if not isinstance(name, str):
+        raise ValueError(f"drafter must be a string, got {type(name).__name__}")
+    out = name.split("+")
+    if len(out) > 1 and any(parse_spec(p)[0] == "none" for p in out):
+        raise ValueError(f"drafter {name[:80]!r}: a hybrid joins drafters, not ar")
+    if len(set(parse_spec(p)[0] for p in out)) < len(out):
+        raise ValueError(f"drafter {name[:80]!r}: a hybrid joins different drafters")
+    return out
+
+
 def canonical(name: str) -> str:
     """Registry name of a user-facing drafter name (with its options, if any, in a fixed order)."""
+    if len(parts(name)) > 1:
+        return "+".join(canonical(p) for p in parts(name))
     key, options = parse_spec(name)
     return key + (":" + ",".join(f"{k}={options[k]}" for k in sorted(options)) if options else "")
 
 
-def make_drafter(name: str, draft_len: int | None = None, target=None,
+def make_drafter(name: str, draft_len: int | dict | None = None, target=None,
                  drafts: str | pathlib.Path | None = None) -> Drafter:
-    """Build a drafter; trained ones load `<drafts>/<name>/` and check it fits `target`."""
+    """Build a drafter; trained ones load `<drafts>/<name>/` and check it fits `target`. A
+    hybrid's draft_len applies to each of its parts (a dict: per kind)."""
+    if len(parts(name)) > 1:
+        per_kind = draft_len if isinstance(draft_len, dict) else None
+        return HybridDrafter([make_drafter(p, per_kind.get(parse_spec(p)[0]) if per_kind else draft_len,
+                                           target, drafts) for p in parts(name)])
     key, options = parse_spec(name)
     if draft_len is not None:
         options.setdefault("draft_len", draft_len)
@@ -84,5 +105,5 @@ def make_drafter(name: str, draft_len: int | None = None, target=None,
 
 
 __all__ = ["ALIASES", "DEFAULT_DRAFTS", "Datastore", "Drafter", "Proposal", "NgramDrafter", "MTPDrafter",
-           "DFlyDrafter", "DFlashDrafter", "TRAINED", "canonical", "make_drafter", "parse_spec",
-           "DRAFTERS", "OPTIONS"]
+           "DFlyDrafter", "DFlashDrafter", "HybridDrafter", "TRAINED", "canonical", "make_drafter",
+           "parse_spec", "parts", "DRAFTERS", "OPTIONS"]

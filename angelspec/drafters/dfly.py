@@ -150,16 +150,31 @@ class DFlyDrafter(TrainedDrafter):
         positions = torch.tensor(ends)[:, None] + torch.arange(b)[None, :]  # [R, b]
         contexts = [[c.upto(n) for c in req] for req, n in zip(caches, ends)]
         hidden = model.blocks(x, *fz.rope_tables(positions), contexts)[:, 1: k + 1]
-        if not self.cfg.ar_head:
-            picks = zip(*self.choose(fz.logits(hidden), states))
-        else:  # the chains, each link conditioned on the token before it, one op for all blocks
-            ar = model.ar
-            tokens, conf = dfly_draft_head(
-                hidden.contiguous(), anchors, fz.embed, model.head_norm.weight, model.prev_norm.weight,
-                ar.gate.weight, ar.up.weight, ar.down.weight, fz.norm_w, fz.lm_head, fz.vocab_ids,
-                fz.eps, candidates(fz, hidden, self.cfg.rescore_top_k))
-            picks = zip(tokens, conf)
-        return [Proposal(t.long(), c.float()) for t, c in picks]
+        w = self.branches
+        if not self.cfg.ar_head:  # DFlash: a position's guesses do not depend on the tokens before it
+            t, c = self.choose(fz.logits(hidden), states)  # [R, k, w]
+            rest = (t[:, None, 1:].expand(-1, w, -1, -1), c[:, None, 1:].expand(-1, w, -1, -1))
+            return self.proposals_from_chains(rest, t[:, 0], c[:, 0])
+        # the chains, each link conditioned on the token before it, one op for all blocks; the
+        # other first guesses' chains in a second call
+        cands = candidates(fz, hidden, self.cfg.rescore_top_k)
+        t, c = self.ar_chains(hidden, anchors, cands, w)  # [R, k, w]
+        rest_t, rest_c = t[:, None, 1:], c[:, None, 1:]
+        if w > 1:
+            alt = self.ar_chains(hidden[:, 1:].repeat_interleave(w - 1, 0), t[:, 0, 1:].reshape(-1),
+                                 None if cands is None else cands[:, 1:].repeat_interleave(w - 1, 0), 1)
+            alt_t, alt_c = (a.unflatten(0, (len(states), w - 1)).expand(-1, -1, -1, w) for a in alt)
+            rest_t, rest_c = torch.cat([rest_t, alt_t], 1), torch.cat([rest_c, alt_c], 1)
+        return self.proposals_from_chains((rest_t, rest_c), t[:, 0], c[:, 0])
+
+    def ar_chains(self, hidden: torch.Tensor, anchors: torch.Tensor, cands, width: int):
+        """The AR head's chains over hidden [R, n, h] from anchors [R]: tokens, confidence
+        [R, n, width] (the best `width` guesses per link; the first goes on)."""
+        model, fz, ar = self.model, self.frozen, self.model.ar
+        return dfly_draft_head(
+            hidden.contiguous(), anchors, fz.embed, model.head_norm.weight, model.prev_norm.weight,
+            ar.gate.weight, ar.up.weight, ar.down.weight, fz.norm_w, fz.lm_head, fz.vocab_ids,
+            fz.eps, cands, width)
 
 
 class DFlashDrafter(DFlyDrafter):

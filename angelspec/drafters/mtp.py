@@ -67,19 +67,39 @@ class MTPDrafter(TrainedDrafter):
             row += m
         last = x[torch.tensor([n - s0 for n, s0 in zip(news, starts)]).cumsum(0) - 1]
         o = layer.finish(last, torch.cat(attn, dim=-2))  # [B, h]: each request's newest position
+        first, conf1 = self.choose(fz.logits(o), states)  # [B, branches]
+        return self.proposals_from_chains(self.rollout(states, caches, news, o, first, k), first, conf1)
+
+    def rollout(self, states: list, caches: list, news: list[int], o: torch.Tensor,
+                first: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each of the `branches` first guesses of each request continued greedily for k - 1
+        more tokens, its own output hidden state and token standing in for the target's: one
+        forward per step over all B * branches chains (each attends to its request's cache and
+        its own earlier steps). Returns tokens, confidence [B, branches, k - 1, branches]: at
+        each step every chain's best `branches` guesses (the first one goes on)."""
+        model, fz, layer = self.model, self.frozen, self.model.layer
+        b = first.shape[1]
+        rows = [(r, j) for r in range(len(states)) for j in range(b)]
+        row_states = [states[r] for r, _ in rows]
+        o, prev = o.repeat_interleave(b, 0), first.reshape(-1)
+        own_k, own_v = [[] for _ in rows], [[] for _ in rows]
         tokens, confs = [], []
-        for step in range(k):
-            if step:  # own hidden state and own token from the second step on
-                x = model.inputs(fz.embed[tokens[-1]], o)
-                pos = torch.tensor(news) - 1 + step
-                q, kk, vv = layer.qkv(x, *fz.rope_tables(pos))
-                attn = []
-                for i, cache in enumerate(caches):
-                    cache.write(int(pos[i]), kk[:, i: i + 1], vv[:, i: i + 1])
-                    attn.append(attend(q[:, i: i + 1], *cache.upto(int(pos[i]) + 1)))
-                o = layer.finish(x, torch.cat(attn, dim=-2))
-            t, c = self.choose(fz.logits(o), states)  # [B]
+        for step in range(1, k):
+            x = model.inputs(fz.embed[prev], o)
+            pos = torch.tensor([news[r] - 1 + step for r, _ in rows])
+            q, kk, vv = layer.qkv(x, *fz.rope_tables(pos))
+            attn = []
+            for i, (r, _) in enumerate(rows):
+                own_k[i].append(kk[:, i: i + 1])
+                own_v[i].append(vv[:, i: i + 1])
+                ck, cv = caches[r].upto(news[r])
+                attn.append(attend(q[:, i: i + 1], torch.cat([ck, *own_k[i]], 1), torch.cat([cv, *own_v[i]], 1)))
+            o = layer.finish(x, torch.cat(attn, dim=-2))
+            t, c = self.choose(fz.logits(o), row_states)  # [B * b, b]
             tokens.append(t)
             confs.append(c)
-        tokens, confs = torch.stack(tokens, 1), torch.stack(confs, 1)  # [B, k]
-        return [Proposal(tokens[i].long(), confs[i].float()) for i in range(len(states))]
+            prev = t[:, 0]
+        if not tokens:
+            return first.new_zeros(len(states), b, 0, b), torch.zeros(len(states), b, 0, b)
+        return (torch.stack(tokens, 1).unflatten(0, (len(states), b)),
+                torch.stack(confs, 1).unflatten(0, (len(states), b)))

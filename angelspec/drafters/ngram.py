@@ -16,29 +16,45 @@ from angelspec.drafters.base import Drafter, Proposal
 
 
 class ContextIndex:
-    """Prompt lookup over a growing token list: the latest start of every 1..max_ngram-gram of
-    the list without its last token (so a match is always followed by something to copy),
+    """Prompt lookup over a growing token list: the latest `keep` starts of every 1..max_ngram-gram
+    of the list without its last token (so a match is always followed by something to copy),
     updated with each call's new tokens. A request keeps one, so a lookup costs a few dict
     reads instead of a scan of its whole context every step."""
 
-    def __init__(self, max_ngram: int = 3):
-        self.max_ngram = max_ngram
-        self.last: dict[tuple, int] = {}
-        self.indexed = 0  # n-grams ending before this position are in `last`
+    def __init__(self, max_ngram: int = 3, keep: int = 4):
+        self.max_ngram, self.keep = max_ngram, keep
+        self.starts: dict[tuple, list[int]] = {}  # oldest first
+        self.indexed = 0  # n-grams ending before this position are in `starts`
+
+    def _update(self, tokens: list[int]) -> None:
+        for end in range(self.indexed + 1, len(tokens)):  # n-grams tokens[j:end], end < len
+            for n in range(1, min(self.max_ngram, end) + 1):
+                starts = self.starts.setdefault(tuple(tokens[end - n:end]), [])
+                starts.append(end - n)
+                if len(starts) > self.keep:
+                    del starts[0]
+        self.indexed = max(self.indexed, len(tokens) - 1)
 
     def lookup(self, tokens: list[int], k: int, max_ngram: int = 3,
                min_ngram: int = 1) -> tuple[list[int], int]:
         """Up to k tokens that followed the most recent earlier match of the longest suffix n-gram
         (min_ngram <= n <= max_ngram), and that n (0: no match)."""
-        for end in range(self.indexed + 1, len(tokens)):  # n-grams tokens[j:end], end < len
-            for n in range(1, min(self.max_ngram, end) + 1):
-                self.last[tuple(tokens[end - n:end])] = end - n
-        self.indexed = max(self.indexed, len(tokens) - 1)
+        self._update(tokens)
         for n in range(min(max_ngram, self.max_ngram, len(tokens) - 1), min_ngram - 1, -1):
-            j = self.last.get(tuple(tokens[len(tokens) - n:]))
-            if j is not None:
-                return tokens[j + n: j + n + k], n
+            starts = self.starts.get(tuple(tokens[len(tokens) - n:]))
+            if starts:
+                return tokens[starts[-1] + n: starts[-1] + n + k], n
         return [], 0
+
+    def continuations(self, tokens: list[int], k: int) -> list[tuple[list[int], int]]:
+        """Every continuation (up to k tokens) of the recent earlier matches of each suffix
+        n-gram, longest n and latest match first, with its n."""
+        self._update(tokens)
+        out = []
+        for n in range(min(self.max_ngram, len(tokens) - 1), 0, -1):
+            for j in reversed(self.starts.get(tuple(tokens[len(tokens) - n:]), [])):
+                out.append((tokens[j + n: j + n + k], n))
+        return out
 
 
 class Datastore:
@@ -141,10 +157,11 @@ class NgramDrafter(Drafter):
     name = "ngram"
 
     def __init__(self, draft_len: int = 3, max_ngram: int = 3, min_ngram: int = 1,
-                 datastore: Datastore | None = None):
+                 datastore: Datastore | None = None, branches: int = 1):
         super().__init__(draft_len)
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.datastore = datastore
+        self.branches = branches
 
     def draft(self, tokens: list[int], index: ContextIndex | None = None) -> tuple[list[int], str]:
         """A draft and where it matched ("ctx<n>" or "ds<n>"; "" when nothing matched). `index`:
@@ -162,6 +179,20 @@ class NgramDrafter(Drafter):
             if draft:
                 return draft, "ctx1"
         return [], ""
+
+    def alternatives(self, tokens: list[int], index: ContextIndex, first: list[int]) -> list[tuple[list[int], str]]:
+        """Up to branches - 1 other continuations than `first`: the context's other recent
+        matches (longest n-gram first), then the datastore's."""
+        out, seen = [], {tuple(first)}
+        found = [(c, f"ctx{n}") for c, n in index.continuations(tokens, self.draft_len) if n >= self.min_ngram]
+        if self.datastore is not None:
+            cont, n = self.datastore.lookup(tokens, self.draft_len)
+            found.append((cont, f"ds{n}"))
+        for cont, match in found:
+            if cont and tuple(cont) not in seen and len(out) < self.branches - 1:
+                seen.add(tuple(cont))
+                out.append((cont, match))
+        return out
 
     def propose(self, states: list) -> list[Proposal]:
         out = []
@@ -186,11 +217,19 @@ class NgramDrafter(Drafter):
                 st["index"] = ContextIndex(self.max_ngram)
             draft, match = self.draft(s.tokens, st["index"])
             st["last"] = (len(s.tokens), match, draft)
-            overall, mine = seen_at.get("all", []), seen_at.get(match, [])
-            conf = []
-            for k in range(len(draft)):
-                prior = (overall[k][1] + 1) / (overall[k][0] + 2) if k < len(overall) else 0.5
-                conf.append((mine[k][1] + 2 * prior) / (mine[k][0] + 2) if k < len(mine) else prior)
-            out.append(Proposal(torch.tensor(draft, dtype=torch.long),
-                                torch.tensor(conf, dtype=torch.float32)))
+            paths = [(draft, self.confidence(seen_at, match, len(draft)))]
+            if draft and self.branches > 1:  # the others: half as likely as the first
+                paths += [(cont, [c / 2 for c in self.confidence(seen_at, kind, len(cont))])
+                          for cont, kind in self.alternatives(s.tokens, st["index"], draft)]
+            out.append(Proposal.tree(paths))
         return out
+
+    @staticmethod
+    def confidence(seen_at: dict, match: str, k: int) -> list[float]:
+        """Per depth of a draft that matched as `match`: the request's rate of acceptance there."""
+        overall, mine = seen_at.get("all", []), seen_at.get(match, [])
+        conf = []
+        for d in range(k):
+            prior = (overall[d][1] + 1) / (overall[d][0] + 2) if d < len(overall) else 0.5
+            conf.append((mine[d][1] + 2 * prior) / (mine[d][0] + 2) if d < len(mine) else prior)
+        return conf

@@ -6,10 +6,12 @@ import dataclasses
 import pathlib
 
 import torch
+import torch.nn as nn
 
-from angelspec.drafters.base import Drafter
+from angelspec.drafters.base import Drafter, Proposal
 from angelspec.drafters.draft_checkpoint import DraftConfig, load_draft
 from angelspec.drafters.modules import Frozen
+from angelspec.plugins import can_pack, pack_bf16
 from angelspec.sampling import probs_from_logits
 
 
@@ -33,12 +35,13 @@ class GrowingKV:
         return self.k[:, :end], self.v[:, :end]
 
 
-def choose(logits: torch.Tensor, ids: torch.Tensor, states: list) -> tuple[torch.Tensor, torch.Tensor]:
+def choose(logits: torch.Tensor, ids: torch.Tensor, states: list,
+           width: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Draft logits [R, ..., m] of R requests over target token ids `ids` ([m] or logits' shape)
-    -> (tokens, confidence) [R, ...]: the argmax, and the draft's probability of it under each
-    request's sampling (greedy: plain softmax; sampling: after its temperature/top-k/top-p, the
-    chance that the target's own sample is that token, if the draft were the target). Greedy
-    requests share one softmax."""
+    -> (tokens, confidence) [R, ..., width]: the best `width` guesses, best first, and the draft's
+    probability of each under each request's sampling (greedy: plain softmax; sampling: after its
+    temperature/top-k/top-p, the chance that the target's own sample is that token, if the draft
+    were the target). Greedy requests share one softmax."""
     ids = ids.expand(logits.shape)
     if all(s.params.greedy for s in states):
         probs = torch.softmax(logits.float(), -1)
@@ -46,8 +49,8 @@ def choose(logits: torch.Tensor, ids: torch.Tensor, states: list) -> tuple[torch
         probs = torch.stack([torch.softmax(row.float(), -1) if s.params.greedy else
                              probs_from_logits(row.reshape(-1, row.shape[-1]), s.params).reshape(row.shape)
                              for row, s in zip(logits, states)])
-    idx = probs.argmax(-1, keepdim=True)
-    return ids.gather(-1, idx)[..., 0], probs.gather(-1, idx)[..., 0]
+    conf, idx = probs.topk(width, dim=-1)
+    return ids.gather(-1, idx), conf
 
 
 class TrainedDrafter(Drafter):
@@ -56,7 +59,9 @@ class TrainedDrafter(Drafter):
 
     def __init__(self, target, path: str | pathlib.Path, **options):
         """options (checked by the registry, angelspec.drafters.OPTIONS): draft_len,
-        rescore_top_k, draft_vocab=0 (serve over the full vocabulary)."""
+        rescore_top_k, draft_vocab=0 (serve over the full vocabulary), branches (guesses per
+        depth: 1 drafts a chain, more a tree with the runners-up as leaves)."""
+        self.branches = options.pop("branches", 1)
         cfg, state = load_draft(path, target)
         if cfg.kind != self.name:
             raise ValueError(f"{path} holds a {cfg.kind} draft, not {self.name}")
@@ -70,11 +75,33 @@ class TrainedDrafter(Drafter):
         vocab = self.model.vocab_ids if cfg.draft_vocab else torch.arange(cfg.vocab_size)
         self.frozen = Frozen(target.model, vocab)
         self.capture = tuple(cfg.target_layers)
+        if target.model.weights == "bfloat16":  # the engine's precision, on the same AMX tiles
+            for m in self.model.modules():
+                if isinstance(m, nn.Linear) and can_pack(m.weight):
+                    m.weight = nn.Parameter(pack_bf16(m.weight.detach()), requires_grad=False)
 
     def choose(self, logits: torch.Tensor, states: list, ids: torch.Tensor | None = None):
-        """Tokens from draft logits [R, ..., m] of R requests over the draft vocabulary, or over
-        target ids `ids`."""
-        return choose(logits, self.frozen.vocab_ids if ids is None else ids, states)
+        """The best `branches` tokens [R, ..., branches] from draft logits [R, ..., m] of R
+        requests over the draft vocabulary, or over target ids `ids`, with their confidence."""
+        return choose(logits, self.frozen.vocab_ids if ids is None else ids, states, self.branches)
+
+    @staticmethod
+    def proposals_from_chains(cont: tuple[torch.Tensor, torch.Tensor], first: torch.Tensor,
+                              conf1: torch.Tensor) -> list[Proposal]:
+        """first, conf1 [R, b]: each request's best b first tokens; cont = (tokens, confidence)
+        [R, b, k - 1, b]: each first token's chain continued, with the b best guesses at each
+        step (the first goes on) -> one proposal per request: the best chain, the runners-up
+        along it as leaves, then the other first tokens' chains (a chain when b = 1)."""
+        tokens, confs = cont
+        out = []
+        for r in range(len(first)):
+            chains = [([int(first[r, j])] + tokens[r, j, :, 0].tolist(),
+                       [float(conf1[r, j])] + confs[r, j, :, 0].tolist()) for j in range(first.shape[1])]
+            best, best_conf = chains[0]
+            runners = [(best[:d + 1] + [int(tokens[r, 0, d, w])], best_conf[:d + 1] + [float(confs[r, 0, d, w])])
+                       for d in range(tokens.shape[2]) for w in range(1, tokens.shape[3])]
+            out.append(Proposal.tree([chains[0]] + runners + chains[1:]))
+        return out
 
     def release(self, state) -> None:
         state.drafter_state.clear()

@@ -13,7 +13,7 @@ import torch
 
 from angelspec import DEFAULT_MAX_LEN
 from angelspec.checkpoint import Target
-from angelspec.drafters import Drafter, canonical, make_drafter, parse_spec
+from angelspec.drafters import Drafter, canonical, make_drafter, parse_spec, parts
 from angelspec.model import Segment
 from angelspec.plugins import SKINNY_MAX_ROWS
 from angelspec.plugins.verify import sample_inverse_cdf
@@ -87,14 +87,17 @@ class Engine:
             return name
         key = canonical(name)
         if key not in self.drafters:
-            kind = parse_spec(key)[0]
-            if self.kinds is not None and kind not in self.kinds:
-                raise ValueError(f"drafter {kind!r} is not in this engine; it serves "
-                                 + ", ".join(sorted(self.kinds | ({"auto"} if self.router else set()))))
+            kinds = [parse_spec(p)[0] for p in parts(key)]
+            for kind in kinds:
+                if self.kinds is not None and kind not in self.kinds:
+                    raise ValueError(f"drafter {kind!r} is not in this engine; it serves "
+                                     + ", ".join(sorted(self.kinds | ({"auto"} if self.router else set()))))
             if len(self.drafters) >= self.max_drafters:
                 raise ValueError(f"too many drafter variants in use ({self.max_drafters}); use one "
                                  f"of: {', '.join(sorted(self.drafters))}")
-            length = self.draft_len or self.draft_lens.get(kind)
+            length = self.draft_len or {k: self.draft_lens.get(k) for k in kinds}
+            if len(kinds) == 1 and isinstance(length, dict):
+                length = length[kinds[0]]
             self.drafters[key] = make_drafter(key, length, self.target, self.drafts)
         return key
 
@@ -250,11 +253,13 @@ class Engine:
         return tuple(sorted({i for s in states for n in self.attached(s)
                              for i in self.drafters[n].capture}))
 
-    def feed_drafters(self, s: RequestState, hidden: dict, start: int, end: int) -> None:
+    def feed_drafters(self, s: RequestState, hidden: dict, rows) -> None:
+        """Hand each drafter of s the target's hidden states at `rows` (a slice or indices) of the
+        forward: the newly cached positions, in order."""
         for name in self.attached(s):
             d = self.drafters[name]
             try:
-                d.on_commit(s.view(name), {l: hidden[l][start:end] for l in d.capture})
+                d.on_commit(s.view(name), {l: hidden[l][rows] for l in d.capture})
             except Exception as exc:  # noqa: BLE001 - this request fails, the batch goes on
                 s.fail(name, exc)
 
@@ -287,7 +292,7 @@ class Engine:
         out, start = [], 0
         for i, (s, n) in enumerate(zip(group, lengths)):
             new = self.commit(s, [self._sample_one(logits[i], s)])
-            self.feed_drafters(s, hidden, start, start + n)
+            self.feed_drafters(s, hidden, slice(start, start + n))
             out.append(new)
             start += n
         return out

@@ -49,7 +49,7 @@ class StepHooks:
             idx = list(due)
             props, _ = propose(e, [active[i] for i in idx], [due[i] for i in idx], shadow=True)
             for i, p in zip(idx, props):
-                e.router.record(active[i].route, due[i], len(active[i].tokens), p.tokens.tolist())
+                e.router.record(active[i].route, due[i], len(active[i].tokens), p)
 
     def forwarded(self, batch: int, n_tokens: int, seconds: float) -> None:
         """A verification forward's time against the profile: the governor and the offset."""

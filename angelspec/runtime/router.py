@@ -34,6 +34,9 @@ from angelspec.plugins import interpolate_cost
 from angelspec.prompts import DOMAINS
 
 DEFAULT_ROUTES = {"chat": "mtp", "code": "dfly", "math": "dfly"}
+# what a build measures per domain for `auto`: each drafter, and the hybrids of ngram with each
+# trained one (ngram's copies where the context repeats, the draft's tree where it does not)
+CANDIDATES = ("mtp", "dfly", "ngram", "ngram+mtp", "ngram+dfly")
 CONTEND = 0.2  # a drafter within 20% of a domain's fastest (build measurement) stays a contender
 ALWAYS_CONTENDS = ("ngram",)  # costs next to nothing to shadow-draft
 MOVE_AFTER = 2  # requests of a domain in a row that ended on another drafter move its route there
@@ -198,9 +201,10 @@ class Router:
         route.turn += 1
         return name
 
-    def record(self, route: RouteState, name: str, position: int, tokens: list[int]) -> None:
-        """A shadow proposal for positions position.. (scored once they are committed)."""
-        route.pending.append((name, position, tokens))
+    def record(self, route: RouteState, name: str, position: int, proposal) -> None:
+        """A shadow proposal (a chain or a tree) for positions position.. (scored once they are
+        committed)."""
+        route.pending.append((name, position, proposal))
 
     def observe(self, route: RouteState, current: str, accepted: int, drafted: int,
                 committed: list[int], cost) -> str:
@@ -209,13 +213,12 @@ class Router:
         if drafted:  # a step without drafts (cut by D-cut, or sat out) says nothing of the drafter
             route.evidence.setdefault(current, DrafterEvidence()).add(accepted, drafted)
         keep, scored = [], False
-        for name, pos, toks in route.pending:
-            if pos + len(toks) > len(committed):
-                keep.append((name, pos, toks))
+        for name, pos, prop in route.pending:
+            if pos + prop.depth() > len(committed):
+                keep.append((name, pos, prop))
                 continue
-            ok = [a == b for a, b in zip(toks, committed[pos:pos + len(toks)])]
             route.evidence.setdefault(name, DrafterEvidence()).add(
-                ok.index(False) if False in ok else len(ok), len(toks))
+                prop.matched(committed[pos:pos + prop.depth()]), len(prop.tokens))
             scored = True
         route.pending = keep
         best, best_value = current, self.value(route, current, cost)

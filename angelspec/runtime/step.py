@@ -11,7 +11,7 @@ import torch
 
 from angelspec.drafters import Proposal
 from angelspec.model import Segment
-from angelspec.plugins import RATIOS, SKINNY_MAX_ROWS, dcut_select
+from angelspec.plugins import RATIOS, SKINNY_MAX_ROWS, dcut_select, survival
 from angelspec.runtime.request import RequestState
 from angelspec.runtime.verify import verify_batch
 
@@ -34,31 +34,44 @@ def speculative_step(engine, active: list[RequestState]) -> Committed:
             return failed
     hooks.shadow(active)
     t_draft = time.perf_counter() - t_start
-    # 2. D-cut: a prefix of each draft, by survival, against the batch's verification cost
+    # 2. D-cut: the batch's likeliest draft tokens (by survival), against the verification cost
     props = cut(engine, props, t_draft, hooks.t_fixed(len(active)))
-    # 3. verify: one forward over every request's [anchor + kept drafts], packed
+    # 3. verify: one forward over every request's [anchor + kept drafts] (chains or trees), packed
     tokens = torch.cat([t for s, p in zip(active, props) for t in (torch.tensor([s.tokens[-1]]), p.tokens)])
-    segments = [Segment(s.slot, s.cache_len, 1 + len(p.tokens)) for s, p in zip(active, props)]
+    segments = [Segment(s.slot, s.cache_len, 1 + len(p.tokens),
+                        None if p.parents is None else torch.cat([torch.tensor([-1]), p.parents + 1]))
+                for s, p in zip(active, props)]
+    batch = engine.model.batch(segments)
     t0 = time.perf_counter()
-    logits, hidden = engine.model.forward(tokens, engine.model.batch(segments), engine.cache,
-                                          capture=engine.capture(active))
+    logits, hidden = engine.model.forward(tokens, batch, engine.cache, capture=engine.capture(active))
     t_fwd = time.perf_counter() - t0
     hooks.forwarded(len(active), len(tokens), t_fwd)
-    verdicts = verify_batch(logits, [p.tokens for p in props], [s.params for s in active],
-                            [None if s.params.greedy else s.uniforms(len(p.tokens) + 1)
-                             for s, p in zip(active, props)])
-    # 4. commit the accepted prefix + the bonus token; drafters see the target's hidden states
+    verdicts = verify_batch(logits, props, [s.params for s in active],
+                            [None if s.params.greedy else uniforms(s, seg.depths())
+                             for s, seg in zip(active, segments)])
+    # 4. commit the accepted path + the bonus token (its KV entries moved into place, for a
+    # tree); drafters see the target's hidden states of the path
     out, row = [], 0
-    for s, p, (accepted, new) in zip(active, props, verdicts):
+    for s, p, (accepted, new, path) in zip(active, props, verdicts):
+        if path != list(range(accepted)):
+            engine.cache.move(s.slot, [s.cache_len + 1 + i for i in path],
+                              [s.cache_len + 1 + d for d in range(accepted)])
+        rows = torch.tensor([row] + [row + 1 + i for i in path])
         committed = engine.commit(s, new)
         s.stats.add(len(p.tokens), accepted, len(committed))
-        engine.feed_drafters(s, hidden, row, row + accepted + 1)
+        engine.feed_drafters(s, hidden, rows)
         hooks.committed(s, accepted, len(p.tokens))
         out.append((s, committed))
         row += len(p.tokens) + 1
     hooks.finished(names, props, verdicts, drafting, time.perf_counter() - t_start, t_draft, t_fwd,
                    sum(len(c) for _, c in out), len(tokens))
     return out + failed
+
+
+def uniforms(s: RequestState, depths: torch.Tensor) -> torch.Tensor:
+    """A sampling request's uniform for each verified row: its position's (rows at one depth of a
+    tree share it)."""
+    return s.uniforms(int(depths.max()) + 1)[depths]
 
 
 def without_failed(active, names, props, drafting):
@@ -102,20 +115,25 @@ def propose(engine, active: list[RequestState], names: list[str],
 
 
 def cut(engine, props: list[Proposal], t_draft: float, t_fixed: float) -> list[Proposal]:
-    """D-cut over the batch's drafts; without it, only the row limit of the lossless kernels."""
+    """D-cut over the batch's drafts (chains or trees); without it, only the row limit of the
+    lossless kernels, which drops the tokens least likely to survive."""
+    total = sum(len(p.tokens) for p in props)
+    if not total:
+        return props
     lengths = torch.tensor([len(p.tokens) for p in props], dtype=torch.long)
-    total = int(lengths.sum())
-    if engine.dcut and total:
-        _, keep = dcut_select(torch.cat([p.confidence for p in props]).double(), lengths,
-                              t_draft, t_fixed, *engine.curve(len(props))[0],
-                              torch.tensor(RATIOS, dtype=torch.float64))
+    confidence = torch.cat([p.confidence for p in props]).double()
+    parents = torch.cat([p.parent_index() for p in props])
+    if engine.dcut:
+        _, keep = dcut_select(confidence, lengths, parents, t_draft, t_fixed,
+                              *engine.curve(len(props))[0], torch.tensor(RATIOS, dtype=torch.float64))
         engine.stats.dcut_drafted += total
         engine.stats.dcut_kept += int(keep.sum())
-        props = [p.clip(int(k)) for p, k in zip(props, keep)]
-        lengths = keep
+    else:
+        keep = torch.ones(total, dtype=torch.bool)
     # one forward verifies at most SKINNY_MAX_ROWS tokens (row-exact kernels: lossless)
-    while int(lengths.sum()) + len(props) > SKINNY_MAX_ROWS:
-        i = int(lengths.argmax())
-        lengths[i] -= 1
-        props[i] = props[i].clip(int(lengths[i]))
-    return props
+    room = SKINNY_MAX_ROWS - len(props)
+    if int(keep.sum()) > room:
+        surv = torch.where(keep, survival(confidence, parents, lengths), -1.0)
+        keep = torch.zeros(total, dtype=torch.bool)
+        keep[torch.sort(surv, descending=True, stable=True).indices[:room]] = True
+    return [p.keep(k) for p, k in zip(props, keep.split(lengths.tolist()))]

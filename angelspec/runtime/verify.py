@@ -2,62 +2,69 @@
 `angelspec::verify_greedy` and `angelspec::verify_rejection` (plugins/verify.py: the one
 implementation of each rule).
 
-Every function returns, per request, (accepted, tokens): `accepted` draft tokens were kept and
-`tokens` is what the step commits, i.e. the accepted prefix plus one token of the target's own.
+Every function returns, per request, (accepted, tokens, path): `accepted` draft tokens were kept,
+`tokens` is what the step commits, i.e. the accepted path's tokens plus one token of the target's
+own, and `path` lists the accepted draft tokens' indices in the proposal (a chain: 0..accepted-1).
 """
 from __future__ import annotations
 
 import torch
 
+from angelspec.drafters import Proposal
 from angelspec.plugins import verify_greedy as _greedy_op
 from angelspec.plugins import verify_rejection as _rejection_op
 from angelspec.sampling import probs_from_logits
 
 
-def _result(draft: torch.Tensor, accepted: int, last: int) -> tuple[int, list[int]]:
-    return accepted, draft[:accepted].tolist() + [last]
+def _result(prop: Proposal, accepted: int, last: int, leaf: int) -> tuple[int, list[int], list[int]]:
+    path = prop.path(leaf)
+    return accepted, prop.tokens[path].tolist() + [last], path
 
 
-def verify_batch(logits: torch.Tensor, drafts: list[torch.Tensor], params: list,
-                 uniforms: list) -> list[tuple[int, list[int]]]:
+def verify_batch(logits: torch.Tensor, props: list[Proposal], params: list,
+                 uniforms: list) -> list[tuple[int, list[int], list[int]]]:
     """logits [sum(k_i + 1), vocab] packed request by request (anchor row, then one per draft
-    token); drafts [k_i]; params: each request's SamplingParams; uniforms: for a sampling
-    request the [k_i + 1] uniforms of its rows' positions (sampling.position_uniforms), else
-    None."""
-    lengths = torch.tensor([len(d) for d in drafts], dtype=torch.long)
+    token); props: each request's proposal (k_i tokens, a chain or a tree); params: each
+    request's SamplingParams; uniforms: for a sampling request the [k_i + 1] uniforms of its rows'
+    positions (sampling.position_uniforms), else None."""
+    lengths = torch.tensor([len(p.tokens) for p in props], dtype=torch.long)
     starts = (lengths + 1).cumsum(0) - (lengths + 1)
-    out: list = [None] * len(drafts)
+    out: list = [None] * len(props)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     for group in (greedy, sampled):
         if not group:
             continue
         rows = [torch.arange(starts[i], starts[i] + lengths[i] + 1) for i in group]
-        part = logits if len(group) == len(drafts) else logits[torch.cat(rows)]
-        draft = torch.cat([drafts[i] for i in group]).long()
+        part = logits if len(group) == len(props) else logits[torch.cat(rows)]
+        draft = torch.cat([props[i].tokens for i in group]).long()
+        parents = torch.cat([props[i].parent_index() for i in group]).long()
         if group is greedy:
-            accepted, last = _greedy_op(part, draft, lengths[group])
+            accepted, last, leaf = _greedy_op(part, draft, lengths[group], parents)
         else:
             probs, a = [], 0
             for i in group:
                 probs.append(probs_from_logits(part[a: a + lengths[i] + 1], params[i]))
                 a += int(lengths[i]) + 1
-            accepted, last = _rejection_op(torch.cat(probs), draft, lengths[group],
-                                           torch.cat([uniforms[i] for i in group]))
+            accepted, last, leaf = _rejection_op(torch.cat(probs), draft, lengths[group], parents,
+                                                 torch.cat([uniforms[i] for i in group]))
         for j, i in enumerate(group):
-            out[i] = _result(drafts[i], int(accepted[j]), int(last[j]))
+            out[i] = _result(props[i], int(accepted[j]), int(last[j]), int(leaf[j]))
     return out
 
 
 def verify_greedy(target_logits: torch.Tensor, draft: torch.Tensor) -> tuple[int, list[int]]:
-    """One request: target_logits [k+1, vocab] at the anchor and each draft position, draft [k]."""
-    accepted, last = _greedy_op(target_logits, draft.long(), torch.tensor([len(draft)]))
-    return _result(draft, int(accepted[0]), int(last[0]))
+    """One request's chain: target_logits [k+1, vocab] at the anchor and each draft position,
+    draft [k] -> (accepted, committed tokens)."""
+    accepted, last, _ = _greedy_op(target_logits, draft.long(), torch.tensor([len(draft)]),
+                                   torch.arange(len(draft)) - 1)
+    return int(accepted[0]), draft[:int(accepted[0])].tolist() + [int(last[0])]
 
 
 def verify_rejection(target_probs: torch.Tensor, draft: torch.Tensor,
                      uniforms: torch.Tensor) -> tuple[int, list[int]]:
-    """One request: target_probs [k+1, vocab] (after temperature/top-k/top-p), draft [k] (a
-    deterministic proposal), uniforms [k+1]: one per row."""
-    accepted, last = _rejection_op(target_probs, draft.long(), torch.tensor([len(draft)]), uniforms)
-    return _result(draft, int(accepted[0]), int(last[0]))
+    """One request's chain: target_probs [k+1, vocab] (after temperature/top-k/top-p), draft [k]
+    (a deterministic proposal), uniforms [k+1]: one per row -> (accepted, committed tokens)."""
+    accepted, last, _ = _rejection_op(target_probs, draft.long(), torch.tensor([len(draft)]),
+                                      torch.arange(len(draft)) - 1, uniforms)
+    return int(accepted[0]), draft[:int(accepted[0])].tolist() + [int(last[0])]

@@ -3,7 +3,9 @@
 // Every query row is computed alone with a fixed summation order (keys in order, 8 FMA lanes over
 // head_dim, a fixed horizontal sum), so its result does not depend on how many rows share the
 // call - a k-token verification forward reproduces k one-token forwards bit for bit (torch's SDPA
-// picks blockings by shape and does not). The query heads of one KV group are scored together so
+// picks blockings by shape and does not). A token tree verifies the same way: each node attends
+// to the committed keys, then its ancestors', then its own, in that order, which are exactly the
+// keys (and the summation order) of the one-token forward at its depth once its path is committed. The query heads of one KV group are scored together so
 // each key is loaded once per group. The kernels are in attention_tile.h (AVX2 here, AVX-512 in
 // avx512.cpp).
 #include <torch/extension.h>
@@ -17,17 +19,23 @@
 #include "attention_tile.h"
 
 void attend_items_avx512(const float* qp, const float* kp, const float* vp, float* op,
-                         const int64_t* slots, const int64_t* pos, int64_t N, int64_t H,
+                         const int64_t* slots, const int64_t* pos, const int64_t* hi,
+                         const int64_t* tbeg, const int64_t* tree, int64_t N, int64_t H,
                          int64_t Hkv, int64_t M, int64_t D, int64_t window, float scale, int64_t a,
-                         int64_t b, float* buf);
+                         int64_t b, float* buf, const float** rows);
 
 // q [N, H, D]; k, v [N, Hkv, D] (this forward's keys/values, written into the caches first);
-// k_cache [S, Hkv, D, M] (transposed), v_cache [S, Hkv, M, D]; slots, positions [N] (int64); window <= 0: none.
-// Row n attends to keys (slots[n], j) for j in (positions[n] - window, positions[n]].
+// k_cache [S, Hkv, D, M] (transposed), v_cache [S, Hkv, M, D]; slots, positions [N] (int64): where
+// each row's key and value are written; window <= 0: none.
+// parents empty: row n attends to keys (slots[n], j) for j in (positions[n] - window, positions[n]].
+// parents [N] (a token tree): parents[n] < n is the row of n's parent in this call, or -1 for a
+// root, which attends to keys 0..positions[n]; any other row attends to its parent's keys, then
+// its own (no window: trees need full attention).
 torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v, torch::Tensor k_cache,
                                torch::Tensor v_cache, const torch::Tensor& slots,
-                               const torch::Tensor& positions, int64_t window) {
+                               const torch::Tensor& positions, const torch::Tensor& parents,
+                               int64_t window) {
   TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32 &&
               v_cache.dtype() == torch::kFloat32, "cached_attention: float32 expected");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
@@ -60,6 +68,37 @@ torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& k,
       }
   }
 
+  // a tree's rows: the contiguous run of keys from 0 (the committed ones, the root, and ancestors
+  // stored right after them), then the positions of the rest of their ancestors, root first
+  std::vector<int64_t> hi, tbeg, tree;
+  int64_t longest = 0, widest = 0;
+  for (int64_t n = 0; n < N; ++n) longest = std::max(longest, pp[n] + 1);
+  if (parents.numel()) {
+    TORCH_CHECK(window <= 0, "cached_attention: token trees need full attention (no sliding window)");
+    auto pa = parents.to(torch::kLong).contiguous();
+    TORCH_CHECK(pa.numel() == N, "cached_attention: one parent per row");
+    const int64_t* par = pa.data_ptr<int64_t>();
+    hi.resize(N);
+    tbeg.resize(N + 1);
+    std::vector<int64_t> path;
+    for (int64_t n = 0; n < N; ++n) {
+      TORCH_CHECK(par[n] >= -1 && par[n] < n && (par[n] < 0 || slp[par[n]] == slp[n]),
+                  "cached_attention: row ", n, " has parent ", par[n],
+                  " (an earlier row of its own slot, or -1)");
+      path.clear();
+      for (int64_t m = n; m >= 0; m = par[m]) path.push_back(pp[m]);
+      std::reverse(path.begin(), path.end());
+      size_t i = 1;
+      while (i < path.size() && path[i] == path[i - 1] + 1) ++i;
+      hi[n] = path[i - 1];
+      tbeg[n] = int64_t(tree.size());
+      tree.insert(tree.end(), path.begin() + i, path.end());
+      longest = std::max(longest, hi[n] + 1 + int64_t(path.size() - i));
+      widest = std::max(widest, int64_t(path.size() - i));
+    }
+    tbeg[N] = int64_t(tree.size());
+  }
+
   auto qc = q.contiguous();
   auto out = torch::empty({N, H, D}, qc.options());
   const float* qp = qc.data_ptr<float>();
@@ -67,19 +106,20 @@ torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& k,
   const float* vp = v_cache.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float scale = 1.0f / std::sqrt(float(D));
-  int64_t max_len = 0;
-  for (int64_t n = 0; n < N; ++n) max_len = std::max(max_len, pp[n] + 1);
   auto* fn = use_avx512() ? &attend_items_avx512 : &attend_items<V256>;
+  const bool is_tree = parents.numel() > 0;
   at::parallel_for(0, N * Hkv, 1, [&](int64_t a, int64_t b) {
-    std::vector<float> buf((H / Hkv) * max_len);
-    fn(qp, kp, vp, op, slp, pp, N, H, Hkv, M, D, window, scale, a, b, buf.data());
+    std::vector<float> buf((H / Hkv) * longest);
+    std::vector<const float*> rows(widest);
+    fn(qp, kp, vp, op, slp, pp, is_tree ? hi.data() : nullptr, is_tree ? tbeg.data() : nullptr,
+       tree.data(), N, H, Hkv, M, D, window, scale, a, b, buf.data(), rows.data());
   });
   return out;
 }
 
 TORCH_LIBRARY_FRAGMENT(angelspec, m) {
   m.def("cached_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-        "Tensor slots, Tensor positions, int window) -> Tensor");
+        "Tensor slots, Tensor positions, Tensor parents, int window) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(angelspec, CPU, m) {
   m.impl("cached_attention", &cached_attention);

@@ -94,11 +94,13 @@ inline float softmax_weights(float* scores, int64_t len) {
   return 1.0f / total;
 }
 
-// out[g] = (sum_j w[g][j] * v_j) * inv[g] for G heads sharing the values [len, D]. Each output
-// is one FMA chain over the keys in order; the G heads run side by side so the chains overlap.
+// out[g] = (sum_j w[g][j] * v_j) * inv[g] for G heads sharing the values: `len` contiguous rows
+// [len, D], then `extra` more rows anywhere (a token tree's ancestors). Each output is one FMA
+// chain over the keys in order, so a row reached through a tree rounds exactly as the same keys
+// stored contiguously; the G heads run side by side so the chains overlap.
 template <class V, int G>
 void weighted_values(float* const* w, const float* inv, int64_t len, const float* values,
-                     int64_t D, float* const* out) {
+                     int64_t extra, const float* const* rows, int64_t D, float* const* out) {
   constexpr int NV = V::lanes == 16 ? 4 : 2;  // vectors per head per pass (registers: G*NV + 2)
   const int64_t body = D - D % V::lanes;
   for (int64_t d0 = 0; d0 < body; d0 += NV * V::lanes) {
@@ -106,8 +108,8 @@ void weighted_values(float* const* w, const float* inv, int64_t len, const float
     typename V::reg acc[G][NV];
     for (int g = 0; g < G; ++g)
       for (int c = 0; c < NV; ++c) acc[g][c] = V::zero();
-    for (int64_t j = 0; j < len; ++j) {
-      const float* v = values + j * D + d0;
+    for (int64_t j = 0; j < len + extra; ++j) {
+      const float* v = (j < len ? values + j * D : rows[j - len]) + d0;
       for (int c = 0; c < nv; ++c) {
         const typename V::reg vv = V::load(v + c * V::lanes);
         for (int g = 0; g < G; ++g) acc[g][c] = V::fma(V::set1(w[g][j]), vv, acc[g][c]);
@@ -120,25 +122,33 @@ void weighted_values(float* const* w, const float* inv, int64_t len, const float
   for (int64_t d = body; d < D; ++d)
     for (int g = 0; g < G; ++g) {
       float a = 0.f;
-      for (int64_t j = 0; j < len; ++j) a = __builtin_fmaf(w[g][j], values[j * D + d], a);
+      for (int64_t j = 0; j < len + extra; ++j)
+        a = __builtin_fmaf(w[g][j], (j < len ? values + j * D : rows[j - len])[d], a);
       out[g][d] = a * inv[g];
     }
 }
 
 // Work items [a, b) of Hkv * N (kv head, row n): the `group` query heads of that kv head. Items
 // run kv head by kv head, so the rows of one request (adjacent) reuse that head's keys and values
-// while they are still in cache. buf holds group * (max position + 1) floats.
+// while they are still in cache. Row n attends to its slot's keys lo..hi[n] (hi = pos when
+// null), then to the keys at the `tree` positions tree[tbeg[n] .. tbeg[n + 1]) (a token tree's
+// ancestors that are not stored contiguously; none when tbeg is null). buf holds
+// group * (longest key list) floats, rows (longest tree list) pointers.
 template <class V>
 void attend_items(const float* qp, const float* kp, const float* vp, float* op,
-                  const int64_t* slots, const int64_t* pos, int64_t N, int64_t H, int64_t Hkv,
+                  const int64_t* slots, const int64_t* pos, const int64_t* hi,
+                  const int64_t* tbeg, const int64_t* tree, int64_t N, int64_t H, int64_t Hkv,
                   int64_t M, int64_t D, int64_t window, float scale, int64_t a, int64_t b,
-                  float* buf) {
+                  float* buf, const float** rows) {
   const int64_t group = H / Hkv;
   for (int64_t nk = a; nk < b; ++nk) {
-    const int64_t n = nk % N, kvh = nk / N, p = pos[n];
+    const int64_t n = nk % N, kvh = nk / N, p = hi ? hi[n] : pos[n];
+    const int64_t extra = tbeg ? tbeg[n + 1] - tbeg[n] : 0;
+    const int64_t* far = tbeg ? tree + tbeg[n] : nullptr;
     const int64_t lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
     const int64_t len = p - lo + 1;
     const int64_t base = (slots[n] * Hkv + kvh) * M * D;  // same offset in k [D, M] and v [M, D]
+    for (int64_t e = 0; e < extra; ++e) rows[e] = vp + base + far[e] * D;
     for (int64_t g0 = 0; g0 < group; g0 += 4) {
       const int gs = group - g0 < 4 ? int(group - g0) : 4;
       const float* qs[4];
@@ -147,7 +157,7 @@ void attend_items(const float* qp, const float* kp, const float* vp, float* op,
       float inv[4];
       for (int g = 0; g < gs; ++g) {
         qs[g] = qp + (n * H + kvh * group + g0 + g) * D;
-        sc[g] = buf + (g0 + g) * len;
+        sc[g] = buf + (g0 + g) * (len + extra);
         os[g] = op + (n * H + kvh * group + g0 + g) * D;
       }
       const float* vals = vp + base + lo * D;
@@ -157,12 +167,19 @@ void attend_items(const float* qp, const float* kp, const float* vp, float* op,
         case 2: score_keys<V, 2>(qs, kp + base, M, lo, p, D, scale, sc); break;
         default: score_keys<V, 1>(qs, kp + base, M, lo, p, D, scale, sc);
       }
-      for (int g = 0; g < gs; ++g) inv[g] = softmax_weights(sc[g], len);
+      // the tree's keys: the same FMA sequence over d, then the scale, as every other score
+      for (int64_t e = 0; e < extra; ++e)
+        for (int g = 0; g < gs; ++g) {
+          float s = 0.f;
+          for (int64_t d = 0; d < D; ++d) s = __builtin_fmaf(qs[g][d], kp[base + d * M + far[e]], s);
+          sc[g][len + e] = s * scale;
+        }
+      for (int g = 0; g < gs; ++g) inv[g] = softmax_weights(sc[g], len + extra);
       switch (gs) {
-        case 4: weighted_values<V, 4>(sc, inv, len, vals, D, os); break;
-        case 3: weighted_values<V, 3>(sc, inv, len, vals, D, os); break;
-        case 2: weighted_values<V, 2>(sc, inv, len, vals, D, os); break;
-        default: weighted_values<V, 1>(sc, inv, len, vals, D, os);
+        case 4: weighted_values<V, 4>(sc, inv, len, vals, extra, rows, D, os); break;
+        case 3: weighted_values<V, 3>(sc, inv, len, vals, extra, rows, D, os); break;
+        case 2: weighted_values<V, 2>(sc, inv, len, vals, extra, rows, D, os); break;
+        default: weighted_values<V, 1>(sc, inv, len, vals, extra, rows, D, os);
       }
     }
   }

@@ -34,8 +34,10 @@ void skinny_blocks_avx512(const float* x, const float* w, float* y, int64_t n, i
 int64_t skinny_block_cols_avx512() { return kCols512; }
 
 void attend_items_avx512(const float* qp, const float* kp, const float* vp, float* op,
-                         const int64_t* slots, const int64_t* pos, int64_t N, int64_t H,
+                         const int64_t* slots, const int64_t* pos, const int64_t* hi,
+                         const int64_t* tbeg, const int64_t* tree, int64_t N, int64_t H,
                          int64_t Hkv, int64_t M, int64_t D, int64_t window, float scale, int64_t a,
-                         int64_t b, float* buf) {
-  attend_items<V512>(qp, kp, vp, op, slots, pos, N, H, Hkv, M, D, window, scale, a, b, buf);
+                         int64_t b, float* buf, const float** rows) {
+  attend_items<V512>(qp, kp, vp, op, slots, pos, hi, tbeg, tree, N, H, Hkv, M, D, window, scale,
+                     a, b, buf, rows);
 }
