@@ -90,9 +90,12 @@ engines: target
 	$(VENV)/bin/angelspec build --target $(TARGET) --drafts $(DRAFTS) --data $(DATA) --out $(ENGINE) \
 	  --export trtllm
 
+# chains, token trees (branches=3) and hybrids side by side, then 16 in flight with and without D-cut
+TREES := ngram:branches=3,mtp:branches=3,dfly:branches=3,ngram+mtp:branches=3,ngram+dfly:branches=3
 bench-engine:
 	$(VENV)/bin/angelspec bench --engine $(ENGINE) --prompts $(DATA)/heldout.jsonl \
-	  --drafters ar,ngram,mtp,dfly,auto --max-tokens 128 --dcut on --out build/bench-engine-c1$(SUFFIX).json
+	  --drafters ar,ngram,mtp,dfly,$(TREES),auto --max-tokens 128 --dcut on \
+	  --out build/bench-engine-c1$(SUFFIX).json
 	$(VENV)/bin/angelspec bench --engine $(ENGINE) --prompts $(DATA)/heldout.jsonl \
 	  --drafters ar,ngram,dfly,auto --max-tokens 128 --concurrency 16 --dcut both --rounds 3 \
 	  --out build/bench-engine-c16$(SUFFIX).json

@@ -171,9 +171,12 @@ class DFlyDrafter(TrainedDrafter):
         """The AR head's chains over hidden [R, n, h] from anchors [R]: tokens, confidence
         [R, n, width] (the best `width` guesses per link; the first goes on)."""
         model, fz, ar = self.model, self.frozen, self.model.ar
+        # every link's product over the whole draft vocabulary reads the head in the engine's
+        # precision (bf16 tiles on an AMX engine: half the bytes); re-scoring gathers rows
+        head = fz.lm_head if cands is not None else fz.head_mm
         return dfly_draft_head(
             hidden.contiguous(), anchors, fz.embed, model.head_norm.weight, model.prev_norm.weight,
-            ar.gate.weight, ar.up.weight, ar.down.weight, fz.norm_w, fz.lm_head, fz.vocab_ids,
+            ar.gate.weight, ar.up.weight, ar.down.weight, fz.norm_w, head, fz.vocab_ids,
             fz.eps, cands, width)
 
 

@@ -153,7 +153,8 @@ class NgramDrafter(Drafter):
     over all matches (worth 2 observations), which starts from 1/2 (Laplace).
 
     Order: a context match of 2 tokens or more, else the datastore's longest match, else a
-    context 1-gram match."""
+    context 1-gram match. With branches > 1 the draft is a token tree: that draft, then up to
+    branches - 1 other continuations (`alternatives`) at half their rates."""
     name = "ngram"
 
     def __init__(self, draft_len: int = 3, max_ngram: int = 3, min_ngram: int = 1,

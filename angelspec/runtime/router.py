@@ -34,9 +34,10 @@ from angelspec.plugins import interpolate_cost
 from angelspec.prompts import DOMAINS
 
 DEFAULT_ROUTES = {"chat": "mtp", "code": "dfly", "math": "dfly"}
-# what a build measures per domain for `auto`: each drafter, and the hybrids of ngram with each
-# trained one (ngram's copies where the context repeats, the draft's tree where it does not)
-CANDIDATES = ("mtp", "dfly", "ngram", "ngram+mtp", "ngram+dfly")
+# what a build measures per domain for `auto`. Hybrids (`ngram+mtp`, ...) are served by name but
+# not candidates: on 2026-12-02 (AMX, bf16, quick drafts) they never won a domain's measurement,
+# and as contenders their shadow drafts cost `auto` 11% at batch 1 (docs/results)
+CANDIDATES = ("mtp", "dfly", "ngram")
 CONTEND = 0.2  # a drafter within 20% of a domain's fastest (build measurement) stays a contender
 ALWAYS_CONTENDS = ("ngram",)  # costs next to nothing to shadow-draft
 MOVE_AFTER = 2  # requests of a domain in a row that ended on another drafter move its route there
