@@ -80,13 +80,14 @@ def canonical(name: str) -> str:
 
 def make_drafter(name: str, draft_len: int | dict | None = None, target=None,
                  drafts: str | pathlib.Path | None = None) -> Drafter:
-    """Build a drafter; trained ones load `<drafts>/<name>/` and check it fits `target`. A
-    hybrid's draft_len applies to each of its parts (a dict: per kind)."""
+    """Build a drafter; trained ones load `<drafts>/<name>/` and check it fits `target`.
+    draft_len: tokens per step, or a dict of them per drafter kind (an engine's tuned lengths);
+    a hybrid's parts each take their own."""
     if len(parts(name)) > 1:
-        per_kind = draft_len if isinstance(draft_len, dict) else None
-        return HybridDrafter([make_drafter(p, per_kind.get(parse_spec(p)[0]) if per_kind else draft_len,
-                                           target, drafts) for p in parts(name)])
+        return HybridDrafter([make_drafter(p, draft_len, target, drafts) for p in parts(name)])
     key, options = parse_spec(name)
+    if isinstance(draft_len, dict):
+        draft_len = draft_len.get(key)
     if draft_len is not None:
         options.setdefault("draft_len", draft_len)
     cls = DRAFTERS[key]

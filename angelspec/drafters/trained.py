@@ -59,8 +59,9 @@ class TrainedDrafter(Drafter):
 
     def __init__(self, target, path: str | pathlib.Path, **options):
         """options (checked by the registry, angelspec.drafters.OPTIONS): draft_len,
-        rescore_top_k, draft_vocab=0 (serve over the full vocabulary), branches (guesses per
-        depth: 1 drafts a chain, more a tree with the runners-up as leaves)."""
+        rescore_top_k, draft_vocab=0 (serve over the full vocabulary), branches (1: a chain;
+        b > 1: a tree of the b best first tokens, each continued, and the runners-up along the
+        best chain; proposals_from_chains)."""
         self.branches = options.pop("branches", 1)
         cfg, state = load_draft(path, target)
         if cfg.kind != self.name:

@@ -95,10 +95,8 @@ class Engine:
             if len(self.drafters) >= self.max_drafters:
                 raise ValueError(f"too many drafter variants in use ({self.max_drafters}); use one "
                                  f"of: {', '.join(sorted(self.drafters))}")
-            length = self.draft_len or {k: self.draft_lens.get(k) for k in kinds}
-            if len(kinds) == 1 and isinstance(length, dict):
-                length = length[kinds[0]]
-            self.drafters[key] = make_drafter(key, length, self.target, self.drafts)
+            self.drafters[key] = make_drafter(key, self.draft_len or self.draft_lens, self.target,
+                                              self.drafts)
         return key
 
     def drafter(self, name: str) -> Drafter:
