@@ -2,6 +2,7 @@
 sampling."""
 import pytest
 import torch
+from conftest import tiny_target
 
 from angelspec.drafters import Drafter, Proposal
 from angelspec.model import Segment
@@ -143,6 +144,19 @@ def test_token_trees_are_lossless(tiny, batch, dcut):
         assert [r.tokens for r in out] == ref, drafter
         if drafter == "tree":
             assert sum(r.stats.accepted for r in out) > sum(r.stats.steps for r in out) * 0.5
+
+
+def test_a_sliding_window_target_verifies_the_trees_chains(tmp_path):
+    """The tree kernel needs full attention: with a sliding window, each tree is cut to its
+    stored chain, and the output is still batch-1 `ar`'s."""
+    target = tiny_target(tmp_path, arch="mistral", sliding_window=8)
+    ps = prompts(4)
+    ref = autoregressive(target, ps, 30)
+    oracle = TreeOracle({tuple(p): r for p, r in zip(ps, ref)}, 5, p_wrong=0.4)
+    eng = Engine(target, max_batch=4, max_len=256, drafters={"tree": oracle})
+    out = eng.generate([Request(p, SamplingParams(max_tokens=30), "tree") for p in ps])
+    assert [r.tokens for r in out] == ref
+    assert sum(r.stats.accepted for r in out) > 0
 
 
 def test_a_tree_path_through_later_branches_leaves_the_cache_as_prefill_does(tiny):

@@ -63,6 +63,15 @@ class Proposal:
         return Proposal(self.tokens[:k], self.confidence[:k],
                         None if self.parents is None else self.parents[:k])
 
+    def chain(self) -> "Proposal":
+        """The stored best path alone: the tokens before the first branch."""
+        if self.parents is None:
+            return self
+        k = 0
+        while k < len(self.parents) and int(self.parents[k]) == k - 1:
+            k += 1
+        return Proposal(self.tokens[:k], self.confidence[:k])
+
     def keep(self, mask: torch.Tensor) -> "Proposal":
         """The tokens where mask is True (their parents must be kept too), re-indexed."""
         if bool(mask.all()):

@@ -111,7 +111,9 @@ def propose(engine, active: list[RequestState], names: list[str],
         spent[name] = time.perf_counter() - t0
         if engine.router is not None:
             engine.router.note_draft_time(name, spent[name] / len(idx))
-    return [p.clip(room(engine, s)) for s, p in zip(active, props)], spent
+    # a sliding-window target verifies chains only (the tree kernel needs full attention)
+    trees = engine.model.cfg.sliding_window is None
+    return [(p if trees else p.chain()).clip(room(engine, s)) for s, p in zip(active, props)], spent
 
 
 def cut(engine, props: list[Proposal], t_draft: float, t_fixed: float) -> list[Proposal]:
