@@ -38,11 +38,11 @@ def interpolate_cost(n: Tensor, cost_n: Tensor, cost_t: Tensor) -> Tensor:
 def survival(confidence: Tensor, parents: Tensor, lengths: Tensor) -> Tensor:
     """Per draft token, the product of the confidences on its path (request by request; parents
     index within the request, -1 for a child of the anchor, parents first)."""
-    conf = confidence.double().clamp(1e-30, 1.0).tolist()
+    conf, parents = confidence.double().clamp(1e-30, 1.0).tolist(), parents.tolist()
     out, tok = [], 0
     for k in lengths.tolist():
         for i in range(k):
-            p = int(parents[tok + i])
+            p = parents[tok + i]
             out.append(conf[tok + i] * (out[tok + p] if p >= 0 else 1.0))
         tok += k
     return torch.tensor(out, dtype=torch.float64)

@@ -218,11 +218,14 @@ class NgramDrafter(Drafter):
                 st["index"] = ContextIndex(self.max_ngram)
             draft, match = self.draft(s.tokens, st["index"])
             st["last"] = (len(s.tokens), match, draft)
-            paths = [(draft, self.confidence(seen_at, match, len(draft)))]
-            if draft and self.branches > 1:  # the others: half as likely as the first
-                paths += [(cont, [c / 2 for c in self.confidence(seen_at, kind, len(cont))])
-                          for cont, kind in self.alternatives(s.tokens, st["index"], draft)]
-            out.append(Proposal.tree(paths))
+            conf = self.confidence(seen_at, match, len(draft))
+            if not draft or self.branches == 1:
+                out.append(Proposal(torch.tensor(draft, dtype=torch.long), torch.tensor(conf)))
+                continue
+            # the others: half as likely as the first
+            out.append(Proposal.tree([(draft, conf)] + [
+                (cont, [c / 2 for c in self.confidence(seen_at, kind, len(cont))])
+                for cont, kind in self.alternatives(s.tokens, st["index"], draft)]))
         return out
 
     @staticmethod

@@ -94,6 +94,9 @@ class TrainedDrafter(Drafter):
         step (the first goes on) -> one proposal per request: the best chain, the runners-up
         along it as leaves, then the other first tokens' chains (a chain when b = 1)."""
         tokens, confs = cont
+        if first.shape[1] == 1:  # chains: no tree to merge
+            return [Proposal(torch.cat([f, t[0, :, 0]]).long(), torch.cat([c1, c[0, :, 0]]).float())
+                    for f, c1, t, c in zip(first, conf1, tokens, confs)]
         out = []
         for r in range(len(first)):
             chains = [([int(first[r, j])] + tokens[r, j, :, 0].tolist(),

@@ -5,8 +5,9 @@
 // call - a k-token verification forward reproduces k one-token forwards bit for bit (torch's SDPA
 // picks blockings by shape and does not). A token tree verifies the same way: each node attends
 // to the committed keys, then its ancestors', then its own, in that order, which are exactly the
-// keys (and the summation order) of the one-token forward at its depth once its path is committed. The query heads of one KV group are scored together so
-// each key is loaded once per group. The kernels are in attention_tile.h (AVX2 here, AVX-512 in
+// keys (and the summation order) of the one-token forward at its depth once its path is
+// committed. The query heads of one KV group are scored together so each key is loaded once per
+// group. The kernels are in attention_tile.h (AVX2 here, AVX-512 in
 // avx512.cpp).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
