@@ -88,7 +88,7 @@ def test_build_writes_shards_features_manifest_and_heldout(built, default_target
     assert m["counts"] == {d: 2 for d in DOMAINS} and m["heldout"] == {d: 1 for d in DOMAINS}
     assert [s["n"] for s in m["shards"]] == [4, 2] and m["totals"]["sequences"] == 6
     assert m["layers"][-1] == default_target.config.num_layers and m["hidden_size"] == 576
-    assert m["feature_ms_per_1k_tokens"] > 0 and m["generation_tokens_per_s"] > 0
+    assert m["generation_tokens_per_s"] > 0
     assert m["generation"]["drafter"] == "ngram"
     # the weights an engine built here serves (auto); the caller's target is left float32
     assert m["generation"]["weights"] == ("bfloat16" if amx_available() else "float32")
@@ -127,6 +127,7 @@ def test_teacher_ids_are_the_targets_own_choices(built, default_target):
     from angelspec.training.train import collate
 
     out, m = built
+    data.ensure_teachers(out, default_target, progress=False)  # on first use, not by the data step
     assert (out / "teacher-00000.safetensors").exists()
     seqs = Sequences(out, layers=[m["layers"][0]], teacher=True)
     agree = total = 0
@@ -147,16 +148,19 @@ def test_teacher_ids_are_the_targets_own_choices(built, default_target):
 
 @pytest.mark.slow
 def test_features_are_the_targets_hidden_states(built, default_target):
+    """Kept while generating (the rows the engine fed its drafters), they match one forward over
+    the whole sequence up to bf16 rounding; the last token's row, never decoded, is zero."""
     out, m = built
     seqs, model = Sequences(out), as_made(default_target, m).model
-    for i in (0, 5):
+    for i in range(len(seqs)):
         x = seqs[i]
         n = len(x["tokens"])
         _, ref = model.forward(x["tokens"], model.batch([Segment(0, 0, n)]), model.new_cache(1, n),
                                capture=tuple(m["layers"]))
         for l in m["layers"]:
-            torch.testing.assert_close(x["features"][l], ref[l], rtol=1e-2,
+            torch.testing.assert_close(x["features"][l][:-1], ref[l][:-1], rtol=1e-2,
                                        atol=1e-2 * ref[l].abs().max().item())
+            assert not x["features"][l][-1].any()
 
 
 @pytest.mark.slow

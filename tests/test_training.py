@@ -127,3 +127,30 @@ def test_torchrun_two_processes_keep_identical_weights(tiny_data):
     ranks = [(out / f"rank{r}.sha256").read_text() for r in (0, 1)]
     assert ranks[0] == ranks[1]
     assert [x["step"] for x in log_rows(out)] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("kind", ["mtp", "dfly"])
+def test_no_objective_reads_a_sequences_last_feature_row(tiny_data, tmp_path, kind):
+    """The data step keeps features as the engine commits tokens, so a sequence's last row (never
+    decoded) is zero: the objectives and the accept-length walk must not read it."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    target, root = tiny_data
+    r = recipe(kind, root, steps=3, out=str(tmp_path / kind))
+    train(r, target, progress=False, restart=True)
+    before = train(r, target, progress=False, only_eval=True)
+    data = tmp_path / "data"
+    shutil.copytree(root / "data", data)
+    g = torch.Generator().manual_seed(0)
+    for f in sorted(data.glob("features-*.safetensors")):
+        last = load_file(str(f.with_name(f.name.replace("features-", "shard-"))))["offsets"][1:] - 1
+        feats = load_file(str(f))
+        for t in feats.values():
+            assert not t[last].any()
+            t[last] = torch.randn(len(last), t.shape[1], generator=g).to(t.dtype)
+        save_file(feats, str(f))
+    after = train(dataclasses.replace(r, data=str(data)), target, progress=False, only_eval=True)
+    assert after == before and before["val_sequences"] > 0

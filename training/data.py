@@ -1,20 +1,24 @@
 """Self-distilled training data: prompts -> the target's own responses -> cached target features.
 
-Responses come from the runtime (ngram drafting: lossless, faster than plain decoding); the
-frozen target then runs once over every full sequence and its hidden states at the layers the
-trained drafters read are cached, so trainers never recompute them. The target runs with the
+Responses come from the runtime (ngram drafting: lossless, faster than plain decoding), every
+prompt of the run in one continuously batched stream, so the engine stays full across shard
+boundaries. The target's hidden states at the layers the trained drafters read are kept as the
+engine commits each token (FeatureRecorder): the rows a served engine hands its drafters, with
+no second pass over the sequences, so trainers never recompute them. The target runs with the
 matmul weights an engine will serve (`weights`, as `angelspec build --weights`: bf16 where the
 CPU has AMX-BF16 tiles), so drafts learn the hidden states and choices they will see when
-served. Work is done in shards and the manifest is rewritten after each one, so an interrupted
-build resumes where it stopped.
+served. A shard is written as soon as its last prompt is answered and the manifest is rewritten
+after each one, so an interrupted build resumes where it stopped.
 
 out_dir/
   prompts.jsonl, heldout.jsonl  {prompt, domain, source} per line (heldout: for `angelspec bench`)
   shard-00000.safetensors       tokens int32 [T] (prompt then response ids, samples concatenated),
                                 offsets int64 [n+1], prompt_lens int32 [n], domains int8 [n]
-  features-00000.safetensors    layer_{i} bf16 [T, hidden] for each i in manifest["layers"]
+  features-00000.safetensors    layer_{i} bf16 [T, hidden] for each i in manifest["layers"] (a
+                                sequence's last row is zero: nothing follows it to predict)
   teacher-00000.safetensors     teacher int32 [T]: the target's own next-token choice after each
-                                position (labels for prompt tokens, where nothing was generated)
+                                position (labels for prompt tokens, where nothing was generated);
+                                written on first use by a recipe with prompt_labels
   manifest.json                 settings, finished shards, totals
 """
 from __future__ import annotations
@@ -34,8 +38,8 @@ from tqdm import tqdm
 
 from angelspec.checkpoint import Target
 from angelspec.default_target import load_target_or_default
+from angelspec.drafters import Drafter, make_drafter
 from angelspec.drafters.target_layers import training_layers
-from angelspec.model import Segment
 from angelspec.prompts import DOMAINS, read_jsonl
 from angelspec.runtime.backend import choose_weights
 from angelspec.runtime.engine import Engine, Request
@@ -84,43 +88,79 @@ def _prompt_sets(target, out, counts, heldout, max_prompt_tokens, seed):
     return train, held
 
 
-def _generate(engine, target, rows, gen, first, bar, speed):
-    """Responses for one shard's prompts -> list of (prompt ids, response ids)."""
-    reqs = [Request(target.encode_chat(r["prompt"]),
-                    SamplingParams(max_tokens=gen["max_tokens"],
-                                   temperature=gen["temperature"], seed=gen["seed"] + first + i),
-                    drafter=gen["drafter"]) for i, r in enumerate(rows)]
-    outs, t0 = [[] for _ in reqs], time.perf_counter()
+class FeatureRecorder(Drafter):
+    """Drafts with `inner` (ngram) and keeps, per request, the target's hidden states at `layers`
+    of every position the engine commits: the prompt's rows from its prefill, then each step's
+    anchor and accepted path. These are the rows the engine hands drafters when it serves, so
+    the data step needs no second forward over the sequences. The last token of a sequence is
+    never fed back (nothing is decoded after it): its row is left zero, and no objective reads
+    it (nothing follows it to predict)."""
+
+    def __init__(self, inner: Drafter, layers: list[int]):
+        super().__init__(inner.draft_len)
+        self.inner, self.layers = inner, list(layers)
+        self.capture = tuple(sorted(set(inner.capture) | set(layers)))
+        self.rows: dict[int, list[dict]] = {}
+
+    def propose(self, states):
+        return self.inner.propose(states)
+
+    def on_commit(self, state, hidden):
+        self.inner.on_commit(state, {l: hidden[l] for l in self.inner.capture})
+        self.rows.setdefault(state.index, []).append({l: hidden[l].to(torch.bfloat16) for l in self.layers})
+
+    def release(self, state):
+        self.inner.release(state)
+
+    def take(self, index: int, n: int) -> dict[int, torch.Tensor]:
+        """Request `index`'s features {layer: bf16 [n, h]} for its n tokens (a step fed past a
+        stop or length cut is trimmed; the last row is zero)."""
+        rows = self.rows.pop(index)
+        out = {}
+        for l in self.layers:
+            h = torch.cat([r[l] for r in rows])[: n - 1]
+            out[l] = torch.cat([h, h.new_zeros(n - len(h), h.shape[1])])
+        return out
+
+
+def _generate(target, chunks, todo, gen, layers, batch_size, max_len, shard_size, bar):
+    """Responses and features for every prompt of the chunks in `todo`, in one continuously
+    batched stream (the engine stays full across shard boundaries). Yields (k, [(prompt ids,
+    response ids)], {layer: features}, seconds since the previous yield) as soon as chunk k's
+    last request finishes."""
+    recorder = FeatureRecorder(make_drafter(gen["drafter"], None, target), layers)
+    engine = Engine(target, max_batch=batch_size, max_len=max_len, drafters={"record": recorder})
+    reqs, owner = [], []
+    for k in todo:
+        for i, r in enumerate(chunks[k]):
+            reqs.append(Request(target.encode_chat(r["prompt"]),
+                                SamplingParams(max_tokens=gen["max_tokens"], temperature=gen["temperature"],
+                                               seed=gen["seed"] + k * shard_size + i), drafter="record"))
+            owner.append(k)
+    outs = [[] for _ in reqs]
+    left = {k: len(chunks[k]) for k in todo}
+    done: dict[int, list] = {k: [] for k in todo}
+    tokens, t0 = 0, time.perf_counter()
+    last = t0
     for ev in engine.stream(reqs):
         outs[ev.index] += ev.tokens
-        speed["tokens"] += len(ev.tokens)
-        if ev.finish_reason:
-            rate = speed["tokens"] / (speed["s"] + time.perf_counter() - t0)
-            bar.update(1)
-            bar.set_postfix(tok_s=f"{rate:.1f}")
-    speed["s"] += time.perf_counter() - t0
-    return [(r.prompt_ids, o) for r, o in zip(reqs, outs)]
-
-
-def _features(model, seqs: list[list[int]], layers: list[int], cache,
-              pack: int = 1024) -> dict[str, torch.Tensor]:
-    """The frozen target's hidden states over each full sequence, bf16, concatenated. Sequences
-    are packed into forwards of up to `pack` tokens (one cache slot each): ~15% faster on CPU."""
-    feats, i = {l: [] for l in layers}, 0
-    while i < len(seqs):
-        group, rows = [], 0
-        while i < len(seqs) and len(group) < cache.slots and (not group or
-                                                              rows + len(seqs[i]) <= pack):
-            group.append(seqs[i])
-            rows += len(seqs[i])
-            i += 1
-        lens = torch.tensor([len(s) for s in group])
-        batch = model.batch([Segment(j, 0, n) for j, n in enumerate(lens.tolist())])
-        _, hidden = model.forward(torch.tensor([t for s in group for t in s]), batch, cache,
-                                  logit_rows=lens.cumsum(0) - 1, capture=tuple(layers))
-        for l in layers:
-            feats[l].append(hidden[l].to(torch.bfloat16))
-    return {f"layer_{l}": torch.cat(v).contiguous() for l, v in feats.items()}
+        tokens += len(ev.tokens)
+        if not ev.finish_reason:
+            continue
+        if ev.finish_reason == "error":
+            raise RuntimeError(f"generation failed: {ev.error}")
+        k, req = owner[ev.index], reqs[ev.index]
+        done[k].append((ev.index, req.prompt_ids, outs[ev.index],
+                        recorder.take(ev.index, len(req.prompt_ids) + len(outs[ev.index]))))
+        bar.update(1)
+        bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - t0):.1f}")
+        left[k] -= 1
+        if not left[k]:
+            rows = sorted(done.pop(k))
+            now = time.perf_counter()
+            yield (k, [(p, o) for _, p, o, _ in rows],
+                   {l: torch.cat([f[l] for *_, f in rows]) for l in layers}, now - last)
+            last = now
 
 
 def teacher_ids(model, h_last: torch.Tensor, chunk: int = 2048) -> torch.Tensor:
@@ -156,7 +196,7 @@ def _totals(shards: list[dict]) -> dict:
         if n:
             by[d] = dict(n=n, response_tokens=r, mean_response_tokens=round(r / n, 1))
     return dict(sequences=s("n"), tokens=s("n_tokens"), response_tokens=s("response_tokens"),
-                generation_s=round(s("generation_s"), 3), feature_s=round(s("feature_s"), 3),
+                generation_s=round(s("generation_s"), 3),
                 by_domain=by)
 
 
@@ -189,7 +229,7 @@ def build(target: Target, out_dir, counts: dict[str, int], heldout: int, max_tok
         if dtype == "float32":
             raise ValueError("this target already serves bf16 weights: pass a float32 one")
         target = dataclasses.replace(target, model=target.model.bf16_copy())
-    cfg, model = target.config, target.model
+    cfg = target.config
     layers = training_layers(cfg.num_layers)
     gen = dict(max_tokens=max_tokens, temperature=float(temperature), seed=seed,
                batch_size=batch_size, drafter="ngram", max_prompt_tokens=max_prompt_tokens,
@@ -212,40 +252,27 @@ def build(target: Target, out_dir, counts: dict[str, int], heldout: int, max_tok
     todo = [k for k in range(len(chunks)) if f"shard-{k:05d}.safetensors" not in done]
     bar = tqdm(total=len(train), initial=len(train) - sum(len(chunks[k]) for k in todo),
                unit="prompt", disable=not progress)
-    engine = cache = None
-    speed = {"tokens": 0, "s": 0.0}
-    for k in todo:
-        if engine is None:  # only when there is work: a finished folder needs no target runs
-            engine = Engine(target, max_batch=batch_size,
-                            max_len=max_prompt_tokens + max_tokens + 1)
-            cache = model.new_cache(4, engine.max_len)
-        rows = chunks[k]
-        t0 = speed["s"]
-        pairs = _generate(engine, target, rows, gen, k * shard_size, bar, speed)
-        gen_s = speed["s"] - t0
-        seqs = [p + r for p, r in pairs]
-        t1 = time.perf_counter()
-        feats = _features(model, seqs, layers, cache)
-        feat_s = time.perf_counter() - t1
-        name, fname = f"shard-{k:05d}.safetensors", f"features-{k:05d}.safetensors"
-        lens = torch.tensor([0] + [len(s) for s in seqs])
-        save_file({"tokens": torch.tensor([t for s in seqs for t in s], dtype=torch.int32),
-                   "offsets": lens.cumsum(0).to(torch.int64),
-                   "prompt_lens": torch.tensor([len(p) for p, _ in pairs], dtype=torch.int32),
-                   "domains": torch.tensor([DOMAINS.index(r["domain"]) for r in rows],
-                                           dtype=torch.int8)}, str(out / name))
-        save_file(feats, str(out / fname))
-        by = {d: {"n": sum(r["domain"] == d for r in rows),
-                  "response_tokens": sum(len(o) for r, (_, o) in zip(rows, pairs)
-                                         if r["domain"] == d)} for d in DOMAINS}
-        done[name] = dict(tokens=name, features=fname, n=len(rows), n_tokens=int(lens.sum()),
-                          response_tokens=sum(len(r) for _, r in pairs), domains=by,
-                          generation_s=round(gen_s, 3), feature_s=round(feat_s, 3))
-        _save(out, m, done)
+    if todo:  # only when there is work: a finished folder needs no target runs
+        for k, pairs, feats, gen_s in _generate(target, chunks, todo, gen, layers, batch_size,
+                                                max_prompt_tokens + max_tokens + 1, shard_size, bar):
+            rows, seqs = chunks[k], [p + r for p, r in pairs]
+            name, fname = f"shard-{k:05d}.safetensors", f"features-{k:05d}.safetensors"
+            lens = torch.tensor([0] + [len(s) for s in seqs])
+            save_file({"tokens": torch.tensor([t for s in seqs for t in s], dtype=torch.int32),
+                       "offsets": lens.cumsum(0).to(torch.int64),
+                       "prompt_lens": torch.tensor([len(p) for p, _ in pairs], dtype=torch.int32),
+                       "domains": torch.tensor([DOMAINS.index(r["domain"]) for r in rows],
+                                               dtype=torch.int8)}, str(out / name))
+            save_file({f"layer_{l}": f.contiguous() for l, f in feats.items()}, str(out / fname))
+            by = {d: {"n": sum(r["domain"] == d for r in rows),
+                      "response_tokens": sum(len(o) for r, (_, o) in zip(rows, pairs)
+                                             if r["domain"] == d)} for d in DOMAINS}
+            done[name] = dict(tokens=name, features=fname, n=len(rows), n_tokens=int(lens.sum()),
+                              response_tokens=sum(len(r) for _, r in pairs), domains=by,
+                              generation_s=round(gen_s, 3))
+            _save(out, m, done)
     bar.close()
-    m = _save(out, m, done)
-    ensure_teachers(out, target, progress)
-    return m
+    return _save(out, m, done)
 
 
 def _save(out: pathlib.Path, m: dict, done: dict) -> dict:
@@ -253,7 +280,6 @@ def _save(out: pathlib.Path, m: dict, done: dict) -> dict:
     m["shards"] = [done[n] for n in sorted(done)]
     t = m["totals"] = _totals(m["shards"])
     per = lambda a, b, k: round(a * k / b, 2) if b else None  # noqa: E731
-    m["feature_ms_per_1k_tokens"] = per(t["feature_s"], t["tokens"], 1e6)
     m["generation_tokens_per_s"] = per(t["response_tokens"], t["generation_s"], 1)
     _write(out / "manifest.json", json.dumps(m, indent=1))
     return m
@@ -343,6 +369,6 @@ def run(args) -> int:
               args.temperature, args.seed, args.shard_size, weights=args.weights)
     t = m["totals"]
     print(f"{args.out}: {t['sequences']} sequences, {t['tokens']} tokens "
-          f"({t['response_tokens']} generated at {m['generation_tokens_per_s']} tok/s); "
-          f"features for layers {m['layers']} at {m['feature_ms_per_1k_tokens']} ms/1k tokens")
+          f"({t['response_tokens']} generated at {m['generation_tokens_per_s']} tok/s, "
+          f"features of layers {m['layers']} kept on the way)")
     return 0
