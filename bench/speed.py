@@ -221,12 +221,13 @@ def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_t
     hf = HFRunner(target) if "hf" in names else None
     runs = [Run(d, len(prompts), dcut=m) for d in names
             for m in ((False,) if d in ("ar", "hf") else modes)]
-    # drafters take turns on each batch: a slow phase of a noisy machine hits all of them alike
-    for domain, chunk in tqdm(chunks(prompts, batch_size) * rounds,
-                              desc=f"bench {','.join(r.label for r in runs)}", unit="batch",
-                              file=sys.stderr):
+    # drafters take turns on each batch, each batch starting with the next one: a slow phase of
+    # a noisy machine hits all of them alike, and none always runs first or last
+    for k, (domain, chunk) in enumerate(tqdm(chunks(prompts, batch_size) * rounds,
+                                             desc=f"bench {','.join(r.label for r in runs)}",
+                                             unit="batch", file=sys.stderr)):
         samples.append(stream_bandwidth(buf=stream_buf))
-        for run in runs:
+        for run in runs[k % len(runs):] + runs[:k % len(runs)]:
             if run.drafter == "hf":
                 hf(run, ids, chunk, domain, max_tokens)
             else:
