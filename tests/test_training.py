@@ -3,11 +3,14 @@ import dataclasses
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import make_checkpoint
+from safetensors.torch import load_file, save_file
 
 from angelspec.checkpoint import load_target
 from angelspec.drafters.draft_checkpoint import load_draft
@@ -133,11 +136,6 @@ def test_torchrun_two_processes_keep_identical_weights(tiny_data):
 def test_no_objective_reads_a_sequences_last_feature_row(tiny_data, tmp_path, kind):
     """The data step keeps features as the engine commits tokens, so a sequence's last row (never
     decoded) is zero: the objectives and the accept-length walk must not read it."""
-    import shutil
-
-    import torch
-    from safetensors.torch import load_file, save_file
-
     target, root = tiny_data
     r = recipe(kind, root, steps=3, out=str(tmp_path / kind))
     train(r, target, progress=False, restart=True)
