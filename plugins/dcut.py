@@ -14,6 +14,7 @@ wins, ties to the smaller rho; the anchor of every request is always verified (b
 The sum of the kept survivals is the expected number of accepted tokens: a tree accepts at most
 one child per parent, so its tokens' acceptances add up like a chain's.
 """
+import bisect
 import math
 
 import torch
@@ -38,14 +39,29 @@ def interpolate_cost(n: Tensor, cost_n: Tensor, cost_t: Tensor) -> Tensor:
 def survival(confidence: Tensor, parents: Tensor, lengths: Tensor) -> Tensor:
     """Per draft token, the product of the confidences on its path (request by request; parents
     index within the request, -1 for a child of the anchor, parents first)."""
-    conf, parents = confidence.double().clamp(1e-30, 1.0).tolist(), parents.tolist()
+    return torch.tensor(_survival(confidence.double().clamp(1e-30, 1.0).tolist(), parents.tolist(),
+                                  lengths.tolist()), dtype=torch.float64)
+
+
+def _survival(conf: list[float], parents: list[int], lengths: list[int]) -> list[float]:
     out, tok = [], 0
-    for k in lengths.tolist():
+    for k in lengths:
         for i in range(k):
             p = parents[tok + i]
             out.append(conf[tok + i] * (out[tok + p] if p >= 0 else 1.0))
         tok += k
-    return torch.tensor(out, dtype=torch.float64)
+    return out
+
+
+def _interpolate(x: float, cost_n: list[float], cost_t: list[float]) -> float:
+    """interpolate_cost at one point, in Python numbers (the same curve)."""
+    if len(cost_n) == 1:
+        return cost_t[0] * x / cost_n[0]
+    if x <= cost_n[0]:
+        return cost_t[0]
+    i = min(max(bisect.bisect_left(cost_n, x), 1), len(cost_n) - 1)
+    x0, x1, y0, y1 = cost_n[i - 1], cost_n[i], cost_t[i - 1], cost_t[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
 @torch.library.custom_op("angelspec::dcut_select", mutates_args=())
@@ -53,22 +69,29 @@ def dcut_select(confidence: Tensor, lengths: Tensor, parents: Tensor, t_draft: f
                 t_fixed: float, cost_n: Tensor, cost_t: Tensor, ratios: Tensor) -> tuple[Tensor, Tensor]:
     """confidence and parents [sum(lengths)] (request by request, in draft order), lengths [B],
     times in seconds, cost table (cost_n [P] total verified tokens, cost_t [P] seconds), ratios
-    [R] ascending -> (chosen ratio [] float64, keep [sum(lengths)] bool: the tokens verified)."""
-    lengths = lengths.long()
-    bs, total = len(lengths), int(lengths.sum())
+    [R] ascending -> (chosen ratio [] float64, keep [sum(lengths)] bool: the tokens verified).
+
+    Computed in Python numbers: a step offers tens of tokens, where a chain of small tensor ops
+    would cost ~0.5 ms a step."""
+    lens = lengths.tolist()
+    bs, total = len(lens), sum(lens)
     if total == 0:
         return torch.tensor(1.0, dtype=torch.float64), torch.zeros(0, dtype=torch.bool)
-    surv = survival(confidence, parents, lengths)
+    surv = _survival([min(max(c, 1e-30), 1.0) for c in confidence.double().tolist()],
+                     parents.tolist(), lens)
     # a stable sort keeps draft order among equal survivals: parents before their children
-    order = torch.sort(surv, descending=True, stable=True).indices
-    prefix = torch.cat([surv.new_zeros(1), surv[order].cumsum(0)])
-    ks = torch.tensor([math.ceil(float(r) * total - 1e-9) for r in ratios], dtype=torch.long)
-    cost = interpolate_cost((bs + ks).double(), cost_n, cost_t)
-    utility = (bs + prefix[ks]) / (t_draft + cost + t_fixed)
-    best = int(torch.nonzero(utility >= utility.max() * (1 - 1e-12))[0])  # ties: the smaller ratio
+    order = sorted(range(total), key=surv.__getitem__, reverse=True)
+    prefix = [0.0]
+    for i in order:
+        prefix.append(prefix[-1] + surv[i])
+    cn, ct, rs = cost_n.double().tolist(), cost_t.double().tolist(), ratios.double().tolist()
+    ks = [math.ceil(r * total - 1e-9) for r in rs]
+    utility = [(bs + prefix[k]) / (t_draft + _interpolate(float(bs + k), cn, ct) + t_fixed) for k in ks]
+    top = max(utility)
+    best = next(j for j, u in enumerate(utility) if u >= top * (1 - 1e-12))  # ties: the smaller ratio
     keep = torch.zeros(total, dtype=torch.bool)
     keep[order[: ks[best]]] = True
-    return torch.tensor(float(ratios[best]), dtype=torch.float64), keep
+    return torch.tensor(rs[best], dtype=torch.float64), keep
 
 
 @dcut_select.register_fake

@@ -398,3 +398,24 @@ def test_ngram_tree_offers_the_contexts_other_continuations():
     # then "5 6 3 4" and "5 6 1 2": 1 is shared with the first draft, so only 2 is new
     assert tree.tokens.tolist() == [1, 9, 3, 4, 2] and tree.parents.tolist() == [-1, 0, -1, 2, 0]
     assert tree.confidence[2] < tree.confidence[0]  # the others count half
+
+
+def test_ngram_indexes_its_context_as_tokens_commit_not_while_drafting(tiny):
+    """A prompt's n-grams are indexed at prefill and each step's tokens at their commit, so a
+    step's drafting time is the lookup alone: counted into drafting, a long prompt's indexing
+    (~7 ms on a 2-core CPU) made the gate sit ngram out under load (16 in flight)."""
+    from angelspec.drafters import NgramDrafter
+
+    behind = []
+
+    class Spy(NgramDrafter):
+        def propose(self, states):
+            behind.extend(len(s.tokens) - 1 - self.index(s).indexed for s in states)
+            return super().propose(states)
+
+    eng = Engine(tiny, max_batch=2, max_len=256, drafters={"spy": Spy(draft_len=3)})
+    prompts = [list(range(3, 90)), [5, 6, 7, 5, 6, 7, 5, 6]]
+    out = eng.generate([Request(p, SamplingParams(max_tokens=12), "spy") for p in prompts])
+    ref = eng.generate([Request(p, SamplingParams(max_tokens=12), "none") for p in prompts])
+    assert [r.tokens for r in out] == [r.tokens for r in ref]
+    assert behind and set(behind) == {0}

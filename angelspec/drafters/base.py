@@ -74,8 +74,11 @@ class Proposal:
 
     def keep(self, mask: torch.Tensor) -> "Proposal":
         """The tokens where mask is True (their parents must be kept too), re-indexed."""
-        if bool(mask.all()):
+        kept = int(mask.sum())
+        if kept == len(self.tokens):
             return self
+        if self.parents is None:  # a chain keeps a prefix
+            return self.clip(kept)
         new_index = mask.long().cumsum(0) - 1
         parents = self.parent_index()[mask]
         parents = torch.where(parents >= 0, new_index[parents.clamp_min(0)], -1)
