@@ -23,12 +23,15 @@ from angelspec.plugins import (
     amx_available,
     cached_attention,
     can_pack,
+    can_quantize,
     linear,
     pack_bf16,
+    quantize,
     rms_norm,
     rope_,
     silu_mul,
 )
+from angelspec.plugins.linear import SCHEMES
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -182,7 +185,7 @@ class Llama:
         self.lm_head = self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in w \
             else get("lm_head.weight")
         self.head_w = self.lm_head  # what head() multiplies by (packed by pack_bf16)
-        self.weights = "float32"  # dtype of the matmul weights (pack_bf16: "bfloat16")
+        self.weights = "float32"  # the matmul weights (pack_bf16: "bfloat16"; quantize: "int8", "int4")
         self.backend = "eager"  # how forward runs (runtime/backend.py: use_backend)
         self.compiled = None  # the compiled forward of a compiled backend
         self.norm = get("model.norm.weight")
@@ -236,19 +239,46 @@ class Llama:
                 layer[k] = pack(layer[k])
         self.weights = "bfloat16"
 
-    def bf16_copy(self) -> "Llama":
-        """This model with its matmul weights packed to bf16 (pack_bf16), sharing every other
-        tensor; this one is left as it is."""
+    def quantize(self, scheme: str) -> None:
+        """Serve the matmuls from weight-only quantized weights (plugins.quantize, groups of 32:
+        `int8` as llama.cpp's Q8_0, `int4` as its Q4_1, the logits' matmul then int8 as llama.cpp
+        keeps its output matrix): a quarter / a fifth of the float32 bytes per forward. What is
+        served is the float32 model on the dequantized weights, row-exact like it
+        (plugins.linear), so speculative output equals this model's own batch-1 output. The
+        embedding and `lm_head` stay float32 for the drafters."""
+        if self.weights == scheme:
+            return
+        if scheme not in SCHEMES:
+            raise ValueError(f"unknown weight scheme {scheme!r} ({', '.join(SCHEMES)})")
+        if self.weights != "float32":
+            raise RuntimeError(f"cannot quantize {self.weights} weights: start from float32")
+        pack = lambda w, s=scheme: quantize(w, s) if can_quantize(w) else w  # noqa: E731
+        self.head_w = pack(self.lm_head, "int8")
+        for layer in self.layers:
+            for k in self.MATMULS:
+                layer[k] = pack(layer[k])
+        self.weights = scheme
+
+    def served_as(self, weights: str) -> "Llama":
+        """This float32 model with its matmul weights as `weights` serves them (bfloat16: pack_bf16;
+        int8 / int4: quantize), sharing every other tensor; this one is left as it is."""
+        if weights == self.weights:
+            return self
+        if self.weights != "float32":
+            raise ValueError(f"this model already serves {self.weights} weights: pass a float32 one")
         m = copy.copy(self)
         m.layers = [dict(l) for l in self.layers]
-        m.pack_bf16()
+        if weights == "bfloat16":
+            m.pack_bf16()
+        else:
+            m.quantize(weights)
         return m
 
     def weight_bytes(self) -> int:
         """Bytes of weights one forward reads (the embedding lookup reads only a few rows)."""
         tensors = [self.norm, self.head_w] + [t for l in self.layers for t in l.values()
                                               if t is not None]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.nbytes for t in tensors)
 
     def new_cache(self, slots: int, max_len: int | None = None) -> KVCache:
         return KVCache(self.cfg, slots, max_len or self.max_len)

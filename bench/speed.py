@@ -158,6 +158,24 @@ def compare(target: Target, ids: list[int], ref: list[int], out: list[int], eps:
     return "near_tie" if top2_margin(target, ids + ref[:j]) < eps else "diverged"
 
 
+def agreement_with_float32(path, ids: list[list[int]], outputs: list[list[int]]) -> float:
+    """How often the float32 checkpoint's own top-1 token, fed the served engine's greedy text,
+    is the token the engine chose (teacher-forced over every output position): 1.0 for float32
+    weights, what bf16 or int8 / int4 weights cost in fidelity."""
+    ref = load_target(path)  # float32, as the checkpoint is
+    agree = total = 0
+    for x, out in zip(ids, outputs):
+        if not out:
+            continue
+        seq = torch.tensor(x + out)
+        cache = ref.model.new_cache(1, len(seq) + 1)
+        logits, _ = ref.model.forward(seq, ref.model.batch([Segment(0, 0, len(seq))]), cache,
+                                      logit_rows=torch.arange(len(x) - 1, len(seq) - 1))
+        agree += int((logits.argmax(-1) == torch.tensor(out)).sum())
+        total += len(out)
+    return agree / max(total, 1)
+
+
 def verify_cost(target: Target, context: int = 256, sizes=(1, 2, 4, 8, 16), reps: int = 15) -> dict:
     """Median ms of one target forward over n new tokens after `context` cached tokens.
 
@@ -301,6 +319,9 @@ def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_t
         },
         "results": rows,
     }
+    if target.model.weights != "float32" and not temperature:
+        result["config"]["top1_agreement_with_float32"] = round(
+            agreement_with_float32(target.path, ids, ref), 4)
     if with_verify_cost:
         result["verify_cost"] = verify_cost(target)
     return result
@@ -328,6 +349,10 @@ def format_table(result: dict) -> str:
                      f"{num(r['weight_gb_per_s'], '6.1f'):>6} {num(pct, '4.0f'):>4}% "
                      f"{str(r['lossless']).lower():>9} {r['near_ties']:>9} "
                      f"{num(r.get('draft_per_forward'), '.3f'):>9}  {used}")
+    if "top1_agreement_with_float32" in cfg:
+        lines.append(f"{cfg['weights']} weights: the float32 checkpoint's top-1 token agrees with "
+                     f"{100 * cfg['top1_agreement_with_float32']:.1f}% of the greedy tokens "
+                     "(teacher-forced on ar's output)")
     vc = result.get("verify_cost")
     if vc:
         lines.append(f"verification cost after {vc['context']} cached tokens (one forward): " +

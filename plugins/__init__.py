@@ -1,7 +1,7 @@
 """AngelSpec's custom ops, registered with torch.library in the `angelspec` namespace.
 
 Model kernels (C++, csrc/; compiled when AngelSpec is installed, see build.py): skinny_linear,
-amx_linear (+ amx_pack), cached_attention, rms_norm, rope_, silu_mul.
+quant_linear (int8 / int4 weight-only), amx_linear (+ amx_pack), cached_attention, rms_norm, rope_, silu_mul.
 System ops (PyTorch, one implementation of each rule): verify_greedy, verify_rejection,
 dcut_select, dfly_draft_head. Every op has a fake implementation (torch.compile / torch.export).
 """
@@ -10,9 +10,19 @@ from angelspec.plugins.attention import cached_attention
 from angelspec.plugins.dcut import RATIOS, dcut_select, interpolate_cost, survival
 from angelspec.plugins.dfly_head import dfly_draft_head
 from angelspec.plugins.layer_ops import rms_norm, rope_, silu_mul
-from angelspec.plugins.linear import SKINNY_MAX_ROWS, amx_available, can_pack, linear, pack_bf16
+from angelspec.plugins.linear import (
+                                      SKINNY_MAX_ROWS,
+                                      QuantWeight,
+                                      amx_available,
+                                      can_pack,
+                                      can_quantize,
+                                      linear,
+                                      pack_bf16,
+                                      quantize,
+)
 from angelspec.plugins.verify import verify_greedy, verify_rejection
 
 __all__ = ["cached_attention", "linear", "rms_norm", "rope_", "silu_mul", "SKINNY_MAX_ROWS",
            "verify_greedy", "verify_rejection", "dcut_select", "dfly_draft_head", "RATIOS",
-           "interpolate_cost", "survival", "amx_available", "can_pack", "pack_bf16"]
+           "interpolate_cost", "survival", "amx_available", "can_pack", "pack_bf16",
+           "QuantWeight", "can_quantize", "quantize"]

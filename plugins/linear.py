@@ -1,12 +1,19 @@
 """y = x @ w.T for the target's weight matrices, with row-count-independent numerics.
 
+Float32 weights, up to SKINNY_MAX_ROWS rows (decoding and verification forwards), use
+`angelspec::skinny_linear`: weights are streamed once for all rows, and each row rounds exactly
+as it would alone, so a k-token verification forward gives bit-identical logits to k one-token
+forwards. Longer inputs (prompt prefill) are compute-bound and go to the BLAS routine.
+
 Weights packed by `pack_bf16` (bf16, any row count) use `angelspec::amx_linear` on the AMX tile
-unit, row-exact too. Float32 weights, up to SKINNY_MAX_ROWS rows (decoding and verification
-forwards), use `angelspec::skinny_linear`: weights are streamed once for all rows, and each row
-rounds exactly as it would alone, so a k-token verification forward gives bit-identical logits
-to k one-token forwards. Longer inputs (prompt prefill) are compute-bound and go to the BLAS
-routine.
+unit, row-exact too. Weight-only quantized weights (`quantize`: int8 or int4 in groups of 32)
+use `angelspec::quant_linear` up to SKINNY_MAX_ROWS rows: it expands each block of weight rows
+to float32 in cache and runs the skinny kernel's tiles on it, so it computes exactly what the
+float32 path does on the dequantized weights (`QuantWeight.dequantized`), which longer inputs
+use.
 """
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -17,6 +24,7 @@ SKINNY_MAX_ROWS = 128
 load_kernels()
 _skinny = torch.ops.angelspec.skinny_linear
 _amx = torch.ops.angelspec.amx_linear
+_quant = torch.ops.angelspec.quant_linear
 
 
 def amx_available() -> bool:
@@ -35,9 +43,84 @@ def pack_bf16(w: torch.Tensor) -> torch.Tensor:
     return torch.ops.angelspec.amx_pack(w.float().contiguous())
 
 
+GROUP = 32  # input weights per scale (and offset): llama.cpp's Q8_0 / Q4_1 blocks
+SCHEMES = ("int8", "int4")
+
+
+@dataclass(frozen=True)
+class QuantWeight:
+    """A weight-only quantized [out, in] matrix, in groups of GROUP input weights.
+
+    int8: w = q * scale (q int8 [out, in] in [-127, 127], symmetric: llama.cpp's Q8_0).
+    int4: w = q * scale + offset (q uint8 [out, in / 2], levels 0-15 from the group's minimum,
+    two a byte as csrc/quant_tile.h lays them out: llama.cpp's Q4_1). A checkpoint converted from
+    such a GGUF (the default target's is Q4_1 with a Q8_0 embedding) comes back exactly."""
+    q: torch.Tensor
+    scale: torch.Tensor  # float32 [out, in // GROUP]
+    bits: int
+    offset: torch.Tensor | None = None  # float32 [out, in // GROUP] (int4)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size([self.q.shape[0], self.q.shape[1] * (8 // self.bits)])
+
+    @property
+    def nbytes(self) -> int:
+        extra = 0 if self.offset is None else self.offset.numel() * 4
+        return self.q.numel() * self.q.element_size() + self.scale.numel() * 4 + extra
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weights this serves: q * scale (+ offset), each operation rounded, as the
+        kernel computes them."""
+        out, cols = self.shape
+        if self.bits == 8:
+            q = self.q.float()
+        else:
+            b = self.q.view(out, -1, 1, 16)
+            q = torch.cat([b & 15, b >> 4], dim=2).view(out, cols).float()
+        w = q.view(out, -1, GROUP) * self.scale[..., None]
+        if self.offset is not None:
+            w = w + self.offset[..., None]
+        return w.view(out, cols)
+
+
+def can_quantize(w: torch.Tensor) -> bool:
+    """Whether `quantize` takes this weight: 2-D, rows of a multiple of GROUP weights."""
+    return w.dim() == 2 and w.shape[1] % GROUP == 0
+
+
+def quantize(w: torch.Tensor, scheme: str) -> QuantWeight:
+    """float32 [out, in] -> QuantWeight, rounding each weight to the nearest level of its group:
+    int8, scale = max |w| / 127; int4, offset = min w and scale = (max w - min w) / 15."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown weight scheme {scheme!r} ({', '.join(SCHEMES)})")
+    if not can_quantize(w):
+        raise ValueError(f"{scheme}: rows of a multiple of {GROUP} weights expected, got {tuple(w.shape)}")
+    out, cols = w.shape
+    g = w.float().reshape(out, -1, GROUP)
+    tiny = torch.finfo(torch.float32).tiny
+    if scheme == "int8":
+        scale = (g.abs().amax(2) / 127).clamp_min(tiny)
+        q = torch.round(g / scale[..., None]).clamp(-127, 127)
+        return QuantWeight(q.to(torch.int8).view(out, cols).contiguous(), scale.contiguous(), 8)
+    low = g.amin(2)
+    scale = ((g.amax(2) - low) / 15).clamp_min(tiny)
+    q = torch.round((g - low[..., None]) / scale[..., None]).clamp(0, 15)
+    u = q.to(torch.uint8).view(out, -1, 2, 16)
+    return QuantWeight((u[:, :, 0] | (u[:, :, 1] << 4)).reshape(out, -1).contiguous(),
+                       scale.contiguous(), 4, low.contiguous())
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in], w [out, in] (float32, or packed by pack_bf16), b [out] or None -> [..., out]."""
+    """x [..., in], w [out, in] (float32, packed by pack_bf16, or a QuantWeight), b [out] or
+    None -> [..., out]."""
     rows = x.numel() // x.shape[-1]
+    if isinstance(w, QuantWeight):
+        if rows > SKINNY_MAX_ROWS or x.requires_grad:  # prompt prefill: BLAS on the same weights
+            return F.linear(x.float(), w.dequantized(), b)
+        y = _quant(x.reshape(rows, x.shape[-1]).float(), w.q, w.scale, w.offset, w.bits)
+        y = y.reshape(*x.shape[:-1], w.shape[0])
+        return y if b is None else y + b
     if w.dtype == torch.bfloat16:
         y = _amx(x.reshape(rows, x.shape[-1]).float(), w).reshape(*x.shape[:-1], w.shape[0])
         return y if b is None else y + b

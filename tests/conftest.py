@@ -1,5 +1,8 @@
 """Shared fixtures: tiny randomly initialised Llama-family checkpoints (fast, exact tests)."""
+import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -9,6 +12,15 @@ from angelspec.default_target import DEFAULT_DIR
 from angelspec.model import Llama
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def check_on_each_isa(script: str) -> None:
+    """Run a kernel check (a script printing "ok") in fresh processes: on this CPU's native path
+    and with AVX-512 turned off (ANGELSPEC_NO_AVX512), so both kernels are covered on one CPU."""
+    for env in ({}, {"ANGELSPEC_NO_AVX512": "1"}):
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                              env={**os.environ, **env}, timeout=600)
+        assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-2000:]
 
 
 def make_checkpoint(path: pathlib.Path, arch: str = "llama", seed: int = 0, **overrides):

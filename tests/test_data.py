@@ -77,7 +77,7 @@ def built(default_target, tmp_path_factory):
 def as_made(target, m):
     """The target as the data step ran it: with the matmul weights an engine serves."""
     if m["generation"]["weights"] == "bfloat16":
-        return dataclasses.replace(target, model=target.model.bf16_copy())
+        return dataclasses.replace(target, model=target.model.served_as("bfloat16"))
     return target
 
 

@@ -61,21 +61,28 @@ def test_manifest_names_every_part_with_checksums(parts):
     assert m.drafters["ngram"].draft_len in (3, 5, 7)
 
 
-@pytest.mark.skipif(not amx_available(), reason="no AMX-BF16 tiles on this CPU")
-def test_bf16_engine_loads_packed_and_serves_losslessly(parts, tmp_path):
+@pytest.mark.parametrize("weights", [
+    pytest.param("bfloat16", marks=pytest.mark.skipif(not amx_available(),
+                                                      reason="no AMX-BF16 tiles on this CPU")),
+    "int8", "int4"])
+def test_engine_with_packed_or_quantized_weights_serves_losslessly(parts, tmp_path, weights):
     root, _, _ = parts
+    kinds = [] if weights == "bfloat16" else ["mtp", "dfly"]
     m = build(str(root / "target"), str(root / "drafts"), str(tmp_path / "engine"), None,
-              drafters=[], backends=("eager",), max_tokens=8, weights="bfloat16")
-    assert m.weights.dtype == "bfloat16" and m.fingerprint["weights"] == "bfloat16"
+              drafters=kinds, backends=("eager",), max_tokens=8, weights=weights)
+    assert m.weights.dtype == m.fingerprint["weights"] == weights
     eng = load_engine(tmp_path / "engine", max_batch=2, max_len=200)
-    assert eng.target.model.weights == "bfloat16"
+    assert eng.target.model.weights == weights
     g = torch.Generator().manual_seed(8)
     prompts = [torch.randint(1, 96, (n,), generator=g).tolist() for n in (5, 30)]
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     ref = Engine(eng.target, max_batch=1, max_len=200).generate(
         [Request(p, params, "ar") for p in prompts])
-    out = eng.generate([Request(p, params, "ngram") for p in prompts])
-    assert [r.tokens for r in out] == [r.tokens for r in ref]
+    for name in ["ngram"] + kinds:
+        for dcut in (False, True):
+            eng.dcut = dcut
+            out = eng.generate([Request(p, params, name) for p in prompts])
+            assert [r.tokens for r in out] == [r.tokens for r in ref], (name, dcut)
 
 
 def test_engine_serves_every_drafter_losslessly(parts):

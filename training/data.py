@@ -41,7 +41,7 @@ from angelspec.default_target import load_target_or_default
 from angelspec.drafters import Drafter, make_drafter
 from angelspec.drafters.target_layers import training_layers
 from angelspec.prompts import DOMAINS, read_jsonl
-from angelspec.runtime.backend import choose_weights
+from angelspec.runtime.backend import WEIGHTS, choose_weights
 from angelspec.runtime.engine import Engine, Request
 from angelspec.sampling import SamplingParams
 from angelspec.training.sources import HELDOUT_EVERY, held_out
@@ -226,9 +226,7 @@ def build(target: Target, out_dir, counts: dict[str, int], heldout: int, max_tok
     out.mkdir(parents=True, exist_ok=True)
     dtype = choose_weights(target.model, weights)["dtype"]
     if dtype != target.model.weights:
-        if dtype == "float32":
-            raise ValueError("this target already serves bf16 weights: pass a float32 one")
-        target = dataclasses.replace(target, model=target.model.bf16_copy())
+        target = dataclasses.replace(target, model=target.model.served_as(dtype))
     cfg = target.config
     layers = training_layers(cfg.num_layers)
     gen = dict(max_tokens=max_tokens, temperature=float(temperature), seed=seed,
@@ -352,10 +350,11 @@ def add_arguments(p) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=512,
                    help="longer prompts (chat-encoded) are dropped")
     p.add_argument("--batch-size", type=int, default=64, help="requests generated together")
-    p.add_argument("--weights", choices=["auto", "float32", "bfloat16"], default="auto",
-                   help="dtype of the target's matmul weights while generating and caching "
-                        "features: auto = as `angelspec build` serves them (bfloat16 where the "
-                        "CPU has AMX-BF16 tiles, else float32)")
+    p.add_argument("--weights", choices=WEIGHTS, default="auto",
+                   help="the target's matmul weights while generating and caching features: "
+                        "auto = as `angelspec build` serves them by default (bfloat16 where the "
+                        "CPU has AMX-BF16 tiles, else float32); int8 / int4 for an engine built "
+                        "with those weights")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--seed", type=int, default=0, help="prompt sampling (and response sampling "
                                                         "when --temperature > 0)")

@@ -22,12 +22,17 @@ def use_backend(model: Llama, backend: str) -> None:
     model.compiled = None if backend == "eager" else torch.compile(model.eager_forward, dynamic=True)
 
 
+WEIGHTS = ("auto", "float32", "bfloat16", "int8", "int4")
+
+
 def choose_weights(model, asked: str = "auto") -> dict:
-    """The dtype the engine's matmul weights serve in. `auto`: bfloat16 when this CPU has AMX-BF16
-    tiles (a float32 checkpoint's weights are then rounded to bf16, at most 2^-9 relative, as any
-    bf16 serving stack does), else float32."""
-    if asked not in ("auto", "float32", "bfloat16"):
-        raise ValueError(f"unknown weights dtype {asked!r} (auto, float32, bfloat16)")
+    """How the engine's matmul weights serve. `auto`: bfloat16 when this CPU has AMX-BF16 tiles (a
+    float32 checkpoint's weights are then rounded to bf16, at most 2^-9 relative, as any bf16
+    serving stack does), else float32. `int8` / `int4` (weight-only, plugins.quantize) only when
+    asked: they change the model's outputs more than bf16 does (`angelspec bench` reports how
+    much), so that is the user's call."""
+    if asked not in WEIGHTS:
+        raise ValueError(f"unknown weights {asked!r} ({', '.join(WEIGHTS)})")
     amx, exact = amx_available(), model.bf16_exact()
     if asked == "auto":
         dtype = "bfloat16" if amx else "float32"
@@ -39,4 +44,16 @@ def choose_weights(model, asked: str = "auto") -> dict:
     if dtype == "bfloat16":
         why += ("; the checkpoint's weights are bf16 values (nothing rounded)" if exact else
                 "; the checkpoint's float32 weights rounded to bf16")
+    if dtype in ("int8", "int4"):
+        why += ("; weight-only, round to nearest in groups of 32: " +
+                ("a scale each (Q8_0)" if dtype == "int8" else
+                 "a scale and a minimum each (Q4_1), the logits' matmul int8"))
     return {"dtype": dtype, "asked": asked, "why": why, "checkpoint_is_bf16": exact}
+
+
+def apply_weights(model, dtype: str) -> None:
+    """Serve `model` with the chosen weights (float32: as loaded)."""
+    if dtype == "bfloat16":
+        model.pack_bf16()
+    elif dtype in ("int8", "int4"):
+        model.quantize(dtype)

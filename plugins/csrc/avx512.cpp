@@ -22,6 +22,7 @@ struct V512 {
 
 #include "attention_tile.h"
 #include "skinny_tile.h"
+#include "quant_tile.h"
 
 // 4 x-rows by 6 weight rows: 24 accumulators + 6 weight + 1 x = 31 of the 32 zmm registers.
 constexpr int kCols512 = 6;
@@ -32,6 +33,12 @@ void skinny_blocks_avx512(const float* x, const float* w, float* y, int64_t n, i
 }
 
 int64_t skinny_block_cols_avx512() { return kCols512; }
+
+void quant_blocks_avx512(const float* x, const uint8_t* q, const float* scale,
+                         const float* offset, float* y, int64_t n, int64_t in, int64_t out,
+                         int64_t group, int bits, int64_t b0, int64_t b1, float* buf) {
+  quant_blocks<V512, 4, kCols512>(x, q, scale, offset, y, n, in, out, group, bits, b0, b1, buf);
+}
 
 void attend_items_avx512(const float* qp, const float* kp, const float* vp, float* op,
                          const int64_t* slots, const int64_t* pos, const int64_t* hi,
