@@ -184,7 +184,7 @@ class Llama:
         self.embed = get("model.embed_tokens.weight")
         self.lm_head = self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in w \
             else get("lm_head.weight")
-        self.head_w = self.lm_head  # what head() multiplies by (packed by pack_bf16)
+        self.head_w = self.lm_head  # what head() multiplies by (pack_bf16, quantize: theirs)
         self.weights = "float32"  # the matmul weights (pack_bf16: "bfloat16"; quantize: "int8", "int4")
         self.backend = "eager"  # how forward runs (runtime/backend.py: use_backend)
         self.compiled = None  # the compiled forward of a compiled backend
