@@ -259,19 +259,26 @@ class Llama:
                 layer[k] = pack(layer[k])
         self.weights = scheme
 
+    def serve(self, weights: str) -> None:
+        """Serve the matmuls as `weights` says: float32 (as loaded), bfloat16 (pack_bf16), int8 /
+        int4 (quantize)."""
+        if weights == "bfloat16":
+            self.pack_bf16()
+        elif weights != "float32":
+            self.quantize(weights)
+        elif self.weights != "float32":
+            raise ValueError(f"this model serves {self.weights} weights: load it again for float32")
+
     def served_as(self, weights: str) -> "Llama":
-        """This float32 model with its matmul weights as `weights` serves them (bfloat16: pack_bf16;
-        int8 / int4: quantize), sharing every other tensor; this one is left as it is."""
+        """This float32 model serving `weights` (serve), sharing every other tensor; this one is
+        left as it is."""
         if weights == self.weights:
             return self
         if self.weights != "float32":
             raise ValueError(f"this model already serves {self.weights} weights: pass a float32 one")
         m = copy.copy(self)
         m.layers = [dict(l) for l in self.layers]
-        if weights == "bfloat16":
-            m.pack_bf16()
-        else:
-            m.quantize(weights)
+        m.serve(weights)
         return m
 
     def weight_bytes(self) -> int:

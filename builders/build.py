@@ -26,7 +26,7 @@ from angelspec.drafters import TRAINED, Datastore, make_drafter, parse_spec, par
 from angelspec.plugins import RATIOS, SKINNY_MAX_ROWS
 from angelspec.prompts import DEFAULT_PROMPTS, DOMAINS, load_prompts
 from angelspec.runtime import Engine, Request, SamplingParams
-from angelspec.runtime.backend import WEIGHTS, apply_weights, choose_weights, use_backend
+from angelspec.runtime.backend import WEIGHTS, choose_weights, use_backend
 from angelspec.runtime.cost import fingerprint, profile
 from angelspec.runtime.manifest import (
     BackendChoice,
@@ -148,7 +148,7 @@ def _build(target_dir: pathlib.Path, drafts_dir: pathlib.Path, out: pathlib.Path
         raise FileNotFoundError(f"{drafts_dir}: no such drafts folder (run `make drafts`)")
     target = load_target(target_dir)
     weights = choose_weights(target.model, weights)
-    apply_weights(target.model, weights["dtype"])  # everything below is measured as it will serve
+    target.model.serve(weights["dtype"])  # everything below is measured as it will serve
     kinds = drafters or [k for k in TRAINED if (drafts_dir / k / "config.json").exists()]
     bar = tqdm(total=6, desc="build", unit="step", file=sys.stderr)
 

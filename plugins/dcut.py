@@ -26,14 +26,11 @@ RATIOS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 def interpolate_cost(n: Tensor, cost_n: Tensor, cost_t: Tensor) -> Tensor:
     """C(n) from a profiled table (sorted cost_n): linear between points, linear extrapolation
-    from the last two points above the table, the first point's time below it."""
-    n, cost_n, cost_t = n.double(), cost_n.double(), cost_t.double()
-    if len(cost_n) == 1:
-        return cost_t.expand(n.shape) * n / cost_n
-    i = torch.searchsorted(cost_n, n).clamp(1, len(cost_n) - 1)
-    x0, x1, y0, y1 = cost_n[i - 1], cost_n[i], cost_t[i - 1], cost_t[i]
-    y = y0 + (y1 - y0) * (n - x0) / (x1 - x0)
-    return torch.where(n <= cost_n[0], cost_t[0], y)
+    from the last two points above the table, the first point's time below it (float64, n's
+    shape)."""
+    cn, ct = cost_n.double().tolist(), cost_t.double().tolist()
+    return torch.tensor([_interpolate(x, cn, ct) for x in n.double().flatten().tolist()],
+                        dtype=torch.float64).view(n.shape)
 
 
 def survival(confidence: Tensor, parents: Tensor, lengths: Tensor) -> Tensor:
@@ -54,7 +51,7 @@ def _survival(conf: list[float], parents: list[int], lengths: list[int]) -> list
 
 
 def _interpolate(x: float, cost_n: list[float], cost_t: list[float]) -> float:
-    """interpolate_cost at one point, in Python numbers (the same curve)."""
+    """interpolate_cost at one point, in Python numbers."""
     if len(cost_n) == 1:
         return cost_t[0] * x / cost_n[0]
     if x <= cost_n[0]:

@@ -50,10 +50,3 @@ def choose_weights(model, asked: str = "auto") -> dict:
                  "a scale and a minimum each (Q4_1), the logits' matmul int8"))
     return {"dtype": dtype, "asked": asked, "why": why, "checkpoint_is_bf16": exact}
 
-
-def apply_weights(model, dtype: str) -> None:
-    """Serve `model` with the chosen weights (float32: as loaded)."""
-    if dtype == "bfloat16":
-        model.pack_bf16()
-    elif dtype in ("int8", "int4"):
-        model.quantize(dtype)

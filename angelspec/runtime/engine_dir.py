@@ -37,7 +37,7 @@ def load_engine(path: str | pathlib.Path, max_batch: int = 8, max_len: int = DEF
         target = load_target(path / "target", max_len=max(max_len, 64))
     backend = manifest.backend.chosen
     if manifest.weights.dtype in ("int8", "int4"):
-        target.model.quantize(manifest.weights.dtype)
+        target.model.serve(manifest.weights.dtype)
     if manifest.weights.dtype == "bfloat16":
         if amx_available():
             target.model.pack_bf16()
