@@ -68,8 +68,8 @@ def dcut_select(confidence: Tensor, lengths: Tensor, parents: Tensor, t_draft: f
     times in seconds, cost table (cost_n [P] total verified tokens, cost_t [P] seconds), ratios
     [R] ascending -> (chosen ratio [] float64, keep [sum(lengths)] bool: the tokens verified).
 
-    Computed in Python numbers: a step offers tens of tokens, where a chain of small tensor ops
-    would cost ~0.5 ms a step."""
+    Computed in Python numbers: a step offers tens of tokens, too few to pay for a chain of
+    small tensor ops."""
     lens = lengths.tolist()
     bs, total = len(lens), sum(lens)
     if total == 0:

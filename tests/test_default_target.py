@@ -40,6 +40,27 @@ def test_logits_equal_transformers_on_the_default_target(default_target):
         assert (step[0] - ref[n + i]).abs().max() < tol
 
 
+def test_int4_serves_exactly_the_default_targets_weights(default_target):
+    """The default target's float32 weights are its GGUF's Q4_1 layers and Q8_0 embedding: the
+    int4 scheme (Q4_1, the logits' matmul Q8_0) gives back every weight, so an int4 model computes
+    bit-identical logits from a fifth of the bytes."""
+    m32 = default_target.model
+    m4 = m32.served_as("int4")
+    for l32, l4 in zip(m32.layers, m4.layers):
+        for k in m32.MATMULS:
+            assert l4[k].bits == 4 and torch.equal(l4[k].dequantized(), l32[k]), k
+    assert m4.head_w.bits == 8 and torch.equal(m4.head_w.dequantized(), m32.lm_head)
+    assert m4.weight_bytes() < m32.weight_bytes() / 4.5
+    ids = torch.tensor(default_target.encode_chat("What is 7 * 8?"))
+    outs = []
+    for m in (m32, m4):  # a prompt forward (the row-exact kernels), then one decoding step
+        cache = m.new_cache(1, 128)
+        pre, _ = m.forward(ids, m.batch([Segment(0, 0, len(ids))]), cache)
+        step, _ = m.forward(torch.tensor([504]), m.batch([Segment(0, len(ids), 1)]), cache)
+        outs.append((pre, step))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
 def test_bench_cli_writes_the_documented_json(default_target, tmp_path):
     out = tmp_path / "r.json"
     cmd = [sys.executable, "-m", "angelspec.cli", "bench", "--target", str(default_target.path),

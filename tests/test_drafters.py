@@ -403,7 +403,7 @@ def test_ngram_tree_offers_the_contexts_other_continuations():
 def test_ngram_indexes_its_context_as_tokens_commit_not_while_drafting(tiny):
     """A prompt's n-grams are indexed at prefill and each step's tokens at their commit, so a
     step's drafting time is the lookup alone: counted into drafting, a long prompt's indexing
-    (~7 ms on a 2-core CPU) made the gate sit ngram out under load (16 in flight)."""
+    (milliseconds on a 2-core CPU) made the gate sit ngram out under load (16 in flight)."""
     from angelspec.drafters import NgramDrafter
 
     behind = []

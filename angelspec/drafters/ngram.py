@@ -233,8 +233,8 @@ class NgramDrafter(Drafter):
         return st["index"]
 
     def on_commit(self, state, hidden: dict[int, torch.Tensor]) -> None:
-        """Index the committed tokens now: a prompt's hundreds of n-grams at prefill (~7 ms on a
-        2-core CPU), not in its first step's drafting, where the gate would read them as what
+        """Index the committed tokens now: a prompt's hundreds of n-grams at prefill (milliseconds
+        on a 2-core CPU), not in its first step's drafting, where the gate would read them as what
         every step of ngram costs and sit it out."""
         self.index(state).update(state.tokens)
 
