@@ -13,7 +13,7 @@ DATA   ?= build/data$(SUFFIX)
 DRAFTS ?= build/drafts$(SUFFIX)
 ENGINE ?= engines/default$(SUFFIX)
 
-.PHONY: setup target demo generate bench data drafts bench-drafts engines bench-engine serve stop perf soak probe test test-fast lint startup clean help
+.PHONY: setup target demo generate bench data drafts bench-drafts engines bench-engine serve stop perf soak probe test test-fast lint startup clean help export-env export-tensorrt verify-export tensorrt-engines
 
 help:
 	@echo "make demo    the main job: an engine of the default target served by tritonserver, a streamed request, a perf_analyzer sweep"
@@ -31,6 +31,10 @@ help:
 	@echo "make perf    perf_analyzer sweep of the served ensemble (auto vs none, D-cut on/off) -> build/perf"
 	@echo "make soak    32 streaming gRPC clients for 30 s against a fresh server: errors, leaks, memory"
 	@echo "make probe   the hardening probe (docs/probe.md) against a fresh server with $(ENGINE)"
+	@echo "make export-env      $(EXPORT_VENV): TensorRT Edge-LLM's exporter + ONNX Runtime (its own numpy 2 stack)"
+	@echo "make export-tensorrt $(ENGINE)/tensorrt: target, DFly/DFlash and D-cut as ONNX graphs with plugin ops"
+	@echo "make verify-export   prove that export here: ONNX checker + a decode through ONNX Runtime vs the engine"
+	@echo "make tensorrt-engines  (GPU host) TensorRT engines from that export, one prompt compared"
 
 setup: $(VENV)/.installed
 
@@ -116,7 +120,30 @@ soak: setup
 probe: setup
 	ANGELSPEC_PROBE_ENGINE=$(ENGINE) $(PY) -m pytest -q tests/test_probe.py
 
-test: target lint
+# TensorRT export (docs/tensorrt.md): its own environment, since Edge-LLM pins numpy 2 and
+# transformers 5; AngelSpec is installed there around the kernels .venv built (same torch)
+EXPORT_VENV ?= .venv-export
+export-env: $(EXPORT_VENV)/.installed
+
+$(EXPORT_VENV)/.installed: $(VENV)/.installed requirements/export.txt
+	$(PYTHON) -m venv $(EXPORT_VENV)
+	$(EXPORT_VENV)/bin/python -m pip install -q --upgrade pip
+	$(EXPORT_VENV)/bin/python -m pip install -q -r requirements/export.txt
+	ANGELSPEC_KERNELS=reuse $(EXPORT_VENV)/bin/python -m pip install -q --no-deps --no-build-isolation -e .
+	touch $@
+
+export-tensorrt: export-env
+	$(EXPORT_VENV)/bin/python -m angelspec.builders.tensorrt --engine $(ENGINE)
+
+verify-export: export-env
+	$(VENV)/bin/angelspec verify-export --engine $(ENGINE) --limit 2 --max-tokens 64
+
+# on a host with an NVIDIA GPU, TensorRT and Edge-LLM's plugins (never these CPU machines):
+# TensorRT engines from $(ENGINE)/tensorrt, one prompt decoded and compared (after verify-export)
+tensorrt-engines: export-env
+	$(EXPORT_VENV)/bin/python -m angelspec.builders.tensorrt_gpu --engine $(ENGINE)
+
+test: target lint export-env
 	$(PY) -m pytest -q
 
 test-fast: lint

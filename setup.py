@@ -1,7 +1,10 @@
 """Builds the C++ kernels (plugins/csrc) into angelspec.plugins at install time, with torch's
 BuildExtension (ninja, in parallel). Everything else about the package is in pyproject.toml.
-Install with `pip install --no-build-isolation -e .` once torch is installed (`make setup`)."""
+Install with `pip install --no-build-isolation -e .` once torch is installed (`make setup`).
+ANGELSPEC_KERNELS=reuse installs the package around kernels an earlier install built (the export
+environment, `make export-env`: same torch, other packages) and leaves them untouched."""
 import importlib.util
+import os
 import pathlib
 import shutil
 import tempfile
@@ -33,8 +36,11 @@ class BuildKernels(BuildExtension):
             kb.sources_hash() + "\n")
 
 
-setup(
-    ext_modules=[CppExtension(FULL_NAME, [str(p.relative_to(ROOT)) for p in kb.sources()],
-                              extra_compile_args=kb.CFLAGS, extra_link_args=kb.LDFLAGS)],
-    cmdclass={"build_ext": BuildKernels},
-)
+if os.environ.get("ANGELSPEC_KERNELS") == "reuse":
+    setup()
+else:
+    setup(
+        ext_modules=[CppExtension(FULL_NAME, [str(p.relative_to(ROOT)) for p in kb.sources()],
+                                  extra_compile_args=kb.CFLAGS, extra_link_args=kb.LDFLAGS)],
+        cmdclass={"build_ext": BuildKernels},
+    )

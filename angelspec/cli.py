@@ -38,6 +38,15 @@ STAGES = {
               "train the auto router's domain classifier, choose the fastest lossless backend "
               "measured here, profile D-cut's verification cost, and write engine.json with the "
               "SHA-256 of every file."),
+    "verify-export": ("angelspec.builders.export_env",
+                      "prove a TensorRT export on this CPU: ONNX checker, then a greedy speculative "
+                      "decode of the exported target + DFly draft + D-cut through ONNX Runtime "
+                      "against the engine's own tokens",
+                      "Runs the engine here for the reference tokens, then the proof in the export "
+                      "environment (make export-env): every graph through the ONNX checker and strict "
+                      "shape inference, and a decode through ONNX Runtime with the plugins "
+                      "implemented from their documented semantics (plugins/ort_ops.py); near-ties "
+                      "of the float16 target are counted, never hidden."),
     "perf": ("angelspec.bench.perf",
              "load-test the served ensemble with perf_analyzer (gRPC streaming, a concurrency "
              "sweep, D-cut on/off): CSV, PNG, speedup table", ""),

@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from angelspec.builders.backend import choose
+from angelspec.builders.export_env import export_python, export_tensorrt
 from angelspec.builders.trtllm import export as export_trtllm
 from angelspec.checkpoint import CheckpointError, load_target
 from angelspec.drafters import TRAINED, Datastore, make_drafter, parse_spec, parts
@@ -36,6 +37,7 @@ from angelspec.runtime.manifest import (
     EngineManifest,
     TargetInfo,
     WeightsChoice,
+    read_manifest,
 )
 from angelspec.runtime.router import CANDIDATES, DEFAULT_ROUTES, DomainClassifier, Router, contenders
 
@@ -120,9 +122,14 @@ def build(target_dir: str, drafts_dir: str, out: str, data_dir: str | None = Non
     that name as it was."""
     final = pathlib.Path(out)
     partial = final.parent / f".{final.name}.partial"
+    if export == "tensorrt":
+        export_python()  # before a long build: the export environment must exist
     try:
         manifest = _build(pathlib.Path(target_dir), pathlib.Path(drafts_dir), partial, final, data_dir,
                           drafters, backends, min_gain, dcut, max_tokens, export, weights)
+        if export == "tensorrt":  # in its own environment, from the finished folder
+            export_tensorrt(partial)
+            manifest = read_manifest(partial, verify=False)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
@@ -255,8 +262,10 @@ def add_arguments(p) -> None:
                         "converted from such a GGUF, as the default target, comes back exactly), "
                         "and speculative output equals the same engine's own autoregressive output")
     p.add_argument("--no-dcut", action="store_true", help="serve with a fixed draft length by default")
-    p.add_argument("--export", choices=["trtllm"], default=None,
-                   help="also write <out>/trtllm/: the drafts and an LLM-API YAML for TensorRT-LLM")
+    p.add_argument("--export", choices=["trtllm", "tensorrt"], default=None,
+                   help="also write <out>/trtllm/ (the drafts and an LLM-API YAML for TensorRT-LLM) "
+                        "or <out>/tensorrt/ (target, DFly/DFlash drafts and D-cut as ONNX graphs "
+                        "with plugin ops for TensorRT Edge-LLM; needs `make export-env`)")
 
 
 def run(args) -> int:

@@ -124,7 +124,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     if w.dtype == torch.bfloat16:
         y = _amx(x.reshape(rows, x.shape[-1]).float(), w).reshape(*x.shape[:-1], w.shape[0])
         return y if b is None else y + b
-    if rows > SKINNY_MAX_ROWS or x.dtype != torch.float32 or x.requires_grad or w.requires_grad:
+    if (rows > SKINNY_MAX_ROWS or x.dtype != torch.float32 or x.requires_grad or w.requires_grad
+            or not x.is_cpu):  # off the CPU: the reference ops inside a TensorRT plugin, on a GPU
         return F.linear(x, w, b)
     y = _skinny(x.reshape(rows, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
     return y if b is None else y + b
