@@ -122,12 +122,23 @@ class DraftGraph(nn.Module):
         return (tokens, conf, *present)
 
 
-def _example(cfg, batch: int = 2, delta: int = 3) -> dict:
-    """Example inputs for tracing (two requests, three new context tokens each)."""
+def _input_names(cfg) -> list[str]:
+    kv = [f"past_key_values_{i}" for i in range(cfg.num_layers)]
+    return INPUTS + kv + (["anchor_ids"] if cfg.ar_head else []) + METADATA
+
+
+def _example(cfg, batch: int = 2, delta: int = 3) -> tuple[dict, dict]:
+    """Example inputs for tracing (two requests, three new context tokens each) and their
+    dynamic dimensions, by input name."""
     h, n, b = cfg.hidden_size, len(cfg.target_layers), cfg.block_size
     rot, t, td = cfg.head_dim, batch * b, batch * delta
     i32 = dict(dtype=torch.int32)
-    m = {"rope_rotary_cos_sin": torch.zeros(t, rot), "positions": torch.arange(b, **i32).repeat(batch),
+    x = {"inputs_embeds": torch.zeros(t, h, dtype=torch.float16),
+         "dflash_target_hidden_concat": torch.zeros(td, n * h, dtype=torch.float16),
+         **{f"past_key_values_{i}": torch.zeros(2, 1, KV_PAGE_SIZE, cfg.num_kv_heads, cfg.head_dim,
+                                                dtype=torch.float16) for i in range(cfg.num_layers)},
+         "anchor_ids": torch.zeros(batch, dtype=torch.long),
+         "rope_rotary_cos_sin": torch.zeros(t, rot), "positions": torch.arange(b, **i32).repeat(batch),
          "query_start_offsets": torch.arange(0, t + 1, b, **i32), "query_lengths": torch.full((batch,), b, **i32),
          "past_lengths": torch.full((batch,), delta, **i32),
          "attention_sequence_lengths": torch.full((batch,), delta + b, **i32),
@@ -138,18 +149,29 @@ def _example(cfg, batch: int = 2, delta: int = 3) -> dict:
          "dflash_delta_token_to_sequence": torch.arange(batch, **i32).repeat_interleave(delta),
          "attention_position_ids": torch.arange(b, **i32).repeat(batch),
          "packed_attention_mask": torch.zeros(t, (b + 31) // 32, **i32)}
-    kv = [torch.zeros(2, 1, KV_PAGE_SIZE, cfg.num_kv_heads, cfg.head_dim, dtype=torch.float16)
-          for _ in range(cfg.num_layers)]
-    return {"inputs_embeds": torch.zeros(t, h, dtype=torch.float16),
-            "dflash_target_hidden_concat": torch.zeros(td, n * h, dtype=torch.float16),
-            "kv": kv, "anchor_ids": torch.zeros(batch, dtype=torch.long), "meta": m}
+    D = torch.export.Dim
+    tok, delta_, seq = (D("physical_tokens", min=1, max=1 << 20), D("delta_tokens", min=1, max=1 << 20),
+                        D("num_sequences", min=1, max=256))
+    pages = D("num_pages", min=1, max=1 << 20)
+    dims = {"inputs_embeds": {0: tok}, "dflash_target_hidden_concat": {0: delta_}, "anchor_ids": {0: seq},
+            **{f"past_key_values_{i}": {1: pages} for i in range(cfg.num_layers)},
+            "rope_rotary_cos_sin": {0: tok}, "positions": {0: tok}, "query_start_offsets": {0: seq + 1},
+            **{k: {0: seq} for k in ("query_lengths", "past_lengths", "attention_sequence_lengths",
+                                     "state_indices")},
+            "execution_phase_marker": {0: D("execution_phase_extent", min=1, max=8)},
+            "context_sequence_count_carrier": {},
+            "kv_page_table": {0: seq, 2: D("max_pages_per_seq", min=1, max=32768)},
+            **{k: {0: delta_} for k in ("dflash_delta_rope_cos_sin", "dflash_delta_positions",
+                                        "dflash_delta_token_to_sequence")},
+            "attention_position_ids": {0: tok}, "packed_attention_mask": {0: tok}}
+    return x, dims
 
 
-def _wrapper(model: DraftGraph, layers: int) -> nn.Module:
+def _wrapper(model: DraftGraph, names: list[str]) -> nn.Module:
     """A module whose forward takes every input by name (torch.export names graph inputs so)."""
-    kv = [f"past_key_values_{i}" for i in range(layers)]
-    names = INPUTS + kv + ["anchor_ids"] + METADATA
-    body = (f"    return self.m(inputs_embeds, dflash_target_hidden_concat, [{', '.join(kv)}], anchor_ids,\n"
+    kv = [n for n in names if n.startswith("past_key_values_")]
+    anchor = "anchor_ids" if "anchor_ids" in names else "None"
+    body = (f"    return self.m(inputs_embeds, dflash_target_hidden_concat, [{', '.join(kv)}], {anchor},\n"
             f"                  dict({', '.join(f'{k}={k}' for k in METADATA)}))\n")
     scope: dict = {}
     exec(f"def forward(self, {', '.join(names)}):\n{body}", scope)  # noqa: S102
@@ -176,26 +198,16 @@ def export_draft(draft_dir: pathlib.Path, target_dir: pathlib.Path, out: pathlib
     cfg, state = load_draft(draft_dir)
     target = load_file(str(target_dir / "model.safetensors"))
     model = DraftGraph(cfg, state, target).eval()
-    ex = _example(cfg)
-    layers = cfg.num_layers
-    names = INPUTS + [f"past_key_values_{i}" for i in range(layers)] + ["anchor_ids"] + METADATA
-    args = (ex["inputs_embeds"], ex["dflash_target_hidden_concat"], *ex["kv"], ex["anchor_ids"],
-            *(ex["meta"][k] for k in METADATA))
+    names = _input_names(cfg)
+    example, dims = _example(cfg)
+    args, shapes = tuple(example[n] for n in names), [dims[n] for n in names]
     outputs = (["draft_tokens", "draft_confidence"] if cfg.ar_head else ["logits"]) + \
-        [f"present_key_values_{i}" for i in range(layers)]
-    D = torch.export.Dim
-    tok, delta, seq = D("physical_tokens", min=1, max=1 << 20), D("delta_tokens", min=1, max=1 << 20), \
-        D("num_sequences", min=1, max=256)
-    pages, max_pages = D("num_pages", min=1, max=1 << 20), D("max_pages_per_seq", min=1, max=32768)
-    shapes = [{0: tok}, {0: delta}] + [{1: pages}] * layers + [{0: seq}] + [
-        {0: tok}, {0: tok}, {0: seq + 1}, {0: seq}, {0: seq}, {0: seq}, {0: seq},
-        {0: D("execution_phase_extent", min=1, max=8)}, {}, {0: seq, 2: max_pages},
-        {0: delta}, {0: delta}, {0: delta}, {0: tok}, {0: tok}]
+        [f"present_key_values_{i}" for i in range(cfg.num_layers)]
     out.mkdir(parents=True, exist_ok=True)
     path = out / "model.onnx"
     with torch.no_grad(), _permissive_inline_opset(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the exporter's notes on axis names and deprecations
-        prog = torch.onnx.export(_wrapper(model, layers), args, dynamo=True, input_names=names,
+        prog = torch.onnx.export(_wrapper(model, names), args, dynamo=True, input_names=names,
                                  output_names=outputs, dynamic_shapes=shapes, opset_version=_OPSET_VERSION,
                                  custom_translation_table=translation, external_data=True, optimize=True,
                                  verbose=False)

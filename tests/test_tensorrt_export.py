@@ -41,9 +41,10 @@ def exported(tmp_path_factory):
         "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
         "{% if add_generation_prompt %}>{% endif %}")
     target = load_target(root / "target", max_len=512)
-    cfg, model = draft(target, "dfly", vocab=60, block_size=6)
-    save_draft(root / "drafts" / "dfly", cfg, model.state_dict())
-    build(str(root / "target"), str(root / "drafts"), str(root / "engine"), None, drafters=["dfly"],
+    for kind in ("dflash", "dfly"):
+        cfg, model = draft(target, kind, vocab=60, block_size=6)
+        save_draft(root / "drafts" / kind, cfg, model.state_dict())
+    build(str(root / "target"), str(root / "drafts"), str(root / "engine"), None, drafters=["dfly", "dflash"],
           backends=("eager",), max_tokens=16, export="tensorrt")
     return root, cfg
 
@@ -72,9 +73,9 @@ def test_export_writes_edgellm_contracts_with_our_plugin_ops(exported):
     eng = root / "engine"
     m = read_manifest(eng)  # verifies every file, the export's included: the engine still loads
     assert m.exported["tensorrt"] == ["tensorrt/target/llm/model.onnx", "tensorrt/dfly/model.onnx",
-                                      "tensorrt/dcut/model.onnx"]
+                                      "tensorrt/dflash/model.onnx", "tensorrt/dcut/model.onnx"]
     info = json.loads((eng / "tensorrt" / "export.json").read_text())
-    assert set(info["graphs"]) == {"target", "dfly", "dcut"} and "ngram" not in info["graphs"]
+    assert set(info["graphs"]) == {"target", "dfly", "dflash", "dcut"} and "ngram" not in info["graphs"]
     t = _graph(eng / "tensorrt/target/llm/model.onnx", IO)
     assert t["ops"]["trt_edgellm::AttentionPlugin"] == 6  # one per target layer
     assert t["out"]["hidden_states"] == ["physical_tokens", len(cfg.target_layers) * 64]  # the layers DFly reads
@@ -88,6 +89,9 @@ def test_export_writes_edgellm_contracts_with_our_plugin_ops(exported):
     assert {"anchor_ids", "dflash_target_hidden_concat", "packed_attention_mask"} <= set(d["in"])
     assert d["attrs"]["DflyDraftHeadPlugin"] == {"eps": pytest.approx(cfg.rms_norm_eps), "width": 1,
                                                  "plugin_version": "1", "plugin_namespace": "angelspec"}
+    f = _graph(eng / "tensorrt/dflash/model.onnx", IO)  # DFlash: the same contract, logits out, no head
+    assert "angelspec::DflyDraftHeadPlugin" not in f["ops"] and f["ops"]["trt_edgellm::AttentionPlugin"] == 2
+    assert f["out"]["logits"][1:] == [cfg.block_size - 1, 60] and "anchor_ids" not in f["in"]
     c = _graph(eng / "tensorrt/dcut/model.onnx", IO)
     assert c["ops"] == {"angelspec::DcutSelectPlugin": 1}
     assert c["attrs"]["DcutSelectPlugin"] == {"plugin_version": "1", "plugin_namespace": "angelspec"}
