@@ -119,3 +119,10 @@ def test_ort_decode_of_the_export_equals_the_engine(exported, tmp_path):
     # the tiny random draft is never right; the oracle's chains are accepted several tokens at a time
     assert min(r["accept_len"] for r in rows if r["drafts"] == "oracle" and r["tokens"] > 8) > 2
     assert torch.tensor([r["tokens"] for r in report["prompts"]]).min() > 0
+
+
+def test_build_names_a_missing_export_environment_before_building(tmp_path, monkeypatch):
+    monkeypatch.setenv("ANGELSPEC_EXPORT_PYTHON", str(tmp_path / "none" / "python"))
+    with pytest.raises(RuntimeError, match="make export-env"):
+        build(str(tmp_path / "target"), str(tmp_path / "drafts"), str(tmp_path / "engine"), export="tensorrt")
+    assert not (tmp_path / "engine").exists() and not (tmp_path / ".engine.partial").exists()
