@@ -13,7 +13,7 @@ DATA   ?= build/data$(SUFFIX)
 DRAFTS ?= build/drafts$(SUFFIX)
 ENGINE ?= engines/default$(SUFFIX)
 
-.PHONY: setup target demo generate bench data drafts bench-drafts engines bench-engine serve stop perf soak probe test test-fast lint startup clean help export-env export-tensorrt verify-export tensorrt-engines
+.PHONY: setup target demo generate bench data drafts bench-drafts engines bench-engine serve stop perf soak probe test test-fast lint startup clean help export-env export-tensorrt verify-export tensorrt-engines llamacpp
 
 help:
 	@echo "make demo    the main job: an engine of the default target served by tritonserver, a streamed request, a perf_analyzer sweep"
@@ -31,6 +31,7 @@ help:
 	@echo "make perf    perf_analyzer sweep of the served ensemble (auto vs none, D-cut on/off) -> build/perf"
 	@echo "make soak    32 streaming gRPC clients for 30 s against a fresh server: errors, leaks, memory"
 	@echo "make probe   the hardening probe (docs/probe.md) against a fresh server with $(ENGINE)"
+	@echo "make llamacpp   llama-cpp-python in $(VENV): llama.cpp as bench's outside reference (--drafters ...,llamacpp)"
 	@echo "make export-env      $(EXPORT_VENV): TensorRT Edge-LLM's exporter + ONNX Runtime (its own numpy 2 stack)"
 	@echo "make export-tensorrt $(ENGINE)/tensorrt: target, DFly/DFlash and D-cut as ONNX graphs with plugin ops"
 	@echo "make verify-export   prove that export here: ONNX checker + a decode through ONNX Runtime vs the engine"
@@ -119,6 +120,10 @@ soak: setup
 
 probe: setup
 	ANGELSPEC_PROBE_ENGINE=$(ENGINE) $(PY) -m pytest -q tests/test_probe.py
+
+# llama.cpp as an outside reference for `angelspec bench --drafters ...,llamacpp` (compiles llama.cpp)
+llamacpp: setup
+	$(PY) -m pip install -q -r requirements/llamacpp.txt
 
 # TensorRT export (docs/tensorrt.md): its own environment, since Edge-LLM pins numpy 2 and
 # transformers 5; AngelSpec is installed there around the kernels .venv built (same torch)

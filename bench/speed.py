@@ -138,6 +138,62 @@ class HFRunner:
             run.add(domain, time.perf_counter() - t0, 0.0, len(run.outputs[i]))
 
 
+class LlamaCppRunner:
+    """llama.cpp (llama-cpp-python) on the GGUF the target was converted from: the CPU runtime a
+    user would pick instead. Greedy, batch 1, the same chat-encoded token ids, as many threads as
+    torch uses. Its numerics differ from ours (its own kernels, the Q4_1 weights themselves), so
+    its output is compared, not required to match."""
+
+    def __init__(self, target: Target):
+        gguf = gguf_of(target)
+        try:
+            from llama_cpp import Llama
+        except ImportError as exc:
+            raise ValueError("llamacpp needs llama-cpp-python: `make llamacpp` (builds llama.cpp, "
+                             "~10 min on 2 cores)") from exc
+        self.model = Llama(model_path=str(gguf), n_ctx=4096, n_threads=torch.get_num_threads(),
+                           n_batch=512, verbose=False)
+        self.eos = set(target.eos_ids)
+
+    def __call__(self, run: Run, ids: list[list[int]], chunk: list[int], domain: str,
+                 max_tokens: int) -> None:
+        for i in chunk:
+            out = []
+            t0 = time.perf_counter()
+            self.model.reset()
+            for tok in self.model.generate(ids[i], top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0,
+                                           reset=True):
+                out.append(int(tok))
+                if tok in self.eos or len(out) == max_tokens:
+                    break
+            run.outputs[i] = out
+            run.add(domain, time.perf_counter() - t0, 0.0, len(out))
+
+
+def gguf_of(target: Target) -> pathlib.Path:
+    """The GGUF a converted target came from (angelspec_source.json), or a precise error."""
+    import json
+
+    from angelspec.default_target import gguf_folder
+
+    src = target.path / "angelspec_source.json"
+    name = json.loads(src.read_text()).get("gguf") if src.exists() else None
+    if not name:
+        raise ValueError(f"llamacpp runs the GGUF a target was converted from; {target.path} was not "
+                         "converted from one (the default target is): convert it with llama.cpp's "
+                         "convert_hf_to_gguf.py and bench that file with llama.cpp directly")
+    return gguf_folder() / name
+
+
+def agreement(ref: list[int], out: list[int]) -> float:
+    """Share of `ref`'s tokens that `out` reproduces before it first differs."""
+    same = next((k for k, (a, b) in enumerate(zip(ref, out)) if a != b), min(len(ref), len(out)))
+    return same / max(len(ref), 1)
+
+
+REFERENCES = ("hf", "llamacpp")  # outside runtimes, timed beside ours: no drafts, no accept length
+
+
 def top2_margin(target: Target, tokens: list[int]) -> float:
     """Target's top-2 logit margin for the token after `tokens` (batch 1, this engine)."""
     model = target.model
@@ -215,9 +271,9 @@ def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_t
     if temperature:
         sampling = dict(temperature=temperature, top_p=top_p)
         SamplingParams(**sampling).validate()
-        if "hf" in names:
-            raise ValueError("hf (transformers generate) is the greedy reference: drop it from "
-                             "--drafters when sampling")
+        if any(r in names for r in REFERENCES):
+            raise ValueError("hf and llamacpp are greedy references: drop them from --drafters "
+                             "when sampling")
         eps = 0.0  # a sampled token follows the uniform, not the top-2 margin: no near-ties
     if engine_dir:
         target = load_target(pathlib.Path(engine_dir) / "target")
@@ -230,15 +286,16 @@ def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_t
         engine = Engine(target, max_batch=batch_size, draft_len=draft_len, max_len=max_len,
                         drafts=drafts, cost=profile(target.model) if True in modes else None)
     for d in names:
-        if d != "hf":
+        if d not in REFERENCES:
             engine.drafter_key(d)  # unknown drafters and unfit drafts fail before any work
     run_engine_chunk(engine, Run("ar", len(ids)), ids, [0], "warm-up", 8)
     # the bandwidth reference is sampled before every batch, under the same conditions as the
     # decoding it is compared with (this machine's speed drifts), and its median is reported
     stream_buf, samples = torch.ones(2**28), []
-    hf = HFRunner(target) if "hf" in names else None
+    outside = {"hf": HFRunner, "llamacpp": LlamaCppRunner}
+    outside = {d: outside[d](target) for d in names if d in REFERENCES}
     runs = [Run(d, len(prompts), dcut=m) for d in names
-            for m in ((False,) if d in ("ar", "hf") else modes)]
+            for m in ((False,) if d in ("ar", *REFERENCES) else modes)]
     # drafters take turns on each batch, each batch starting with the next one: a slow phase of
     # a noisy machine hits all of them alike, and none always runs first or last
     for k, (domain, chunk) in enumerate(tqdm(chunks(prompts, batch_size) * rounds,
@@ -246,8 +303,8 @@ def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_t
                                              unit="batch", file=sys.stderr)):
         samples.append(stream_bandwidth(buf=stream_buf))
         for run in runs[k % len(runs):] + runs[:k % len(runs)]:
-            if run.drafter == "hf":
-                hf(run, ids, chunk, domain, max_tokens)
+            if run.drafter in outside:
+                outside[run.drafter](run, ids, chunk, domain, max_tokens)
             else:
                 run_engine_chunk(engine, run, ids, chunk, domain, max_tokens, sampling)
     ref = runs[0].outputs
@@ -275,25 +332,31 @@ def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_t
             row = {"drafter": run.drafter, "dcut": run.dcut, "concurrency": batch_size,
                    "domain": dom, "n_prompts": len(idx), "new_tokens": new,
                    "seconds": None, "tokens_per_s": None,
-                   "mean_accept_len": None if run.drafter == "hf" else
+                   "mean_accept_len": None if run.drafter in REFERENCES else
                    round(sum(run.committed[i] for i in idx) / max(steps, 1), 3),
-                   "verified_per_step": None if run.drafter == "hf" else
+                   "verified_per_step": None if run.drafter in REFERENCES else
                    round(sum(run.drafted[i] for i in idx) / max(steps, 1), 2),
                    "speedup_vs_ar": None,
                    "lossless": all(verdicts[i] != "diverged" for i in idx),
                    "near_ties": sum(verdicts[i] == "near_tie" for i in idx),
                    "weight_gb_per_s": None}
+            if run.drafter == "llamacpp":  # other numerics: how far its greedy text follows ours
+                row.update(lossless=None, near_ties=0,
+                           same_as_ar=sum(run.outputs[i] == ref[i] for i in idx),
+                           token_agreement=round(statistics.mean(agreement(ref[i], run.outputs[i])
+                                                                 for i in idx), 3))
             if timed:
                 secs, pre, forwards = pick(run.seconds), pick(run.prefill), pick(run.forwards)
                 tps = new * rounds / secs
                 if run.drafter == "ar":
                     ar_tps[dom] = tps
                 # weights read per second while decoding: one read per verification forward
-                # (hf: one per token, its prefill time included as it cannot be separated)
+                # (hf, llamacpp: one per token, prefill included as it cannot be separated)
                 row.update(seconds=round(secs, 3), tokens_per_s=round(tps, 2),
                            speedup_vs_ar=round(tps / ar_tps[dom], 3),
-                           weight_gb_per_s=round(forwards * weight_bytes / (secs - pre) / 1e9, 2))
-            if dom == "all" and run.drafter != "hf":
+                           weight_gb_per_s=None if run.drafter == "llamacpp" else  # its own bytes
+                           round(forwards * weight_bytes / (secs - pre) / 1e9, 2))
+            if dom == "all" and run.drafter not in REFERENCES:
                 # drafting time per step against the verification forward's (the same steps)
                 row["draft_per_forward"] = round(run.draft_time / run.forward_time, 3) \
                     if run.forward_time else None
@@ -349,6 +412,9 @@ def format_table(result: dict) -> str:
                      f"{num(r['weight_gb_per_s'], '6.1f'):>6} {num(pct, '4.0f'):>4}% "
                      f"{str(r['lossless']).lower():>9} {r['near_ties']:>9} "
                      f"{num(r.get('draft_per_forward'), '.3f'):>9}  {used}")
+        if r["drafter"] == "llamacpp" and r["domain"] == "all":
+            lines.append(f"{'':<22} llamacpp's greedy tokens: {r['same_as_ar']} of {r['n_prompts']} prompts "
+                         f"identical to ar's, {100 * r['token_agreement']:.1f}% of tokens before they differ")
     if "top1_agreement_with_float32" in cfg:
         lines.append(f"{cfg['weights']} weights: the float32 checkpoint's top-1 token agrees with "
                      f"{100 * cfg['top1_agreement_with_float32']:.1f}% of the greedy tokens "
