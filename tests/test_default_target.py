@@ -80,6 +80,29 @@ def test_bench_cli_writes_the_documented_json(default_target, tmp_path):
     assert "stream_bandwidth_gb_per_s" in res["config"]
 
 
+def test_llamacpp_reference_runs_the_gguf_or_says_how_to_get_it(default_target, tiny):
+    """With llama-cpp-python installed (make llamacpp) bench times it on the GGUF and reports how
+    far its greedy tokens follow ours; without it, or for a target not converted from a GGUF,
+    the error says what to do."""
+    from angelspec.bench.speed import agreement, bench, gguf_of
+
+    assert agreement([1, 2, 3, 4], [1, 2, 9]) == 0.5 and agreement([5], [5]) == 1.0
+    prompts = [{"prompt": "What is 2 + 2?", "domain": "math"}]
+    with pytest.raises(ValueError, match="convert_hf_to_gguf"):
+        gguf_of(tiny)
+    assert gguf_of(default_target).name == GGUF_FILE
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        with pytest.raises(ValueError, match="make llamacpp"):
+            bench(default_target, prompts, ["ar", "llamacpp"], max_tokens=4)
+        return
+    res = bench(default_target, prompts, ["ar", "llamacpp"], max_tokens=16)
+    row = next(r for r in res["results"] if r["drafter"] == "llamacpp" and r["domain"] == "all")
+    assert row["tokens_per_s"] > 0 and row["lossless"] is None and 0 <= row["token_agreement"] <= 1
+    assert row["same_as_ar"] in (0, 1) and row["mean_accept_len"] is None
+
+
 def test_generate_cli_errors_are_clear(default_target):
     base = [sys.executable, "-m", "angelspec.cli", "generate", "--target", str(default_target.path)]
     for extra, msg in [(["--prompt", "hi", "--drafter", "medusa"], "unknown drafter 'medusa'"),
