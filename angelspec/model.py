@@ -222,6 +222,15 @@ class Llama:
         ws = [self.head_w] + [l[k] for l in self.layers for k in self.MATMULS]
         return all(torch.equal(w.bfloat16().float(), w) for w in ws if w.dtype == torch.float32)
 
+    def gives_back(self, quantized: "Llama") -> bool:
+        """Whether `quantized` (this float32 model's served_as("int8"/"int4")) dequantizes to
+        exactly these weights: a checkpoint converted from such blocks (the default target's
+        GGUF) comes back bit for bit, so the quantized model computes this very model."""
+        pairs = [(quantized.head_w, self.head_w)] + [(q[k], l[k]) for q, l in zip(quantized.layers, self.layers)
+                                                      for k in self.MATMULS]
+        return all(torch.equal(q.dequantized(), w) if hasattr(q, "dequantized") else torch.equal(q, w)
+                   for q, w in pairs)
+
     def pack_bf16(self) -> None:
         """Serve the matmuls from bf16 weights on the AMX tile unit (plugins.pack_bf16): half the
         bytes per forward and matrix-unit speed for many rows; the activations entering each

@@ -80,6 +80,23 @@ def test_bench_cli_writes_the_documented_json(default_target, tmp_path):
     assert "stream_bandwidth_gb_per_s" in res["config"]
 
 
+def test_auto_weights_measure_int4_only_where_it_gives_back_the_checkpoint(default_target, tiny):
+    """--weights auto: the default target's int4 is its own weights, so the build measures it
+    beside float32 (bf16 with AMX) and serves the faster, saying why; a random checkpoint's int8
+    and int4 are not exact, so they are never picked unasked."""
+    from angelspec.plugins import amx_available
+    from angelspec.runtime.backend import choose_weights
+
+    w = choose_weights(default_target.model, "auto")
+    assert "int4 gives back the checkpoint's weights exactly" in w["why"] and "ms" in w["why"]
+    assert w["dtype"] in ("int4", "bfloat16" if amx_available() else "float32")
+    assert w["exact"] == (w["dtype"] != "bfloat16")  # the GGUF's Q4_1 weights are not bf16 values
+    assert default_target.model.weights == "float32"  # the caller's model is left as it is
+    t = choose_weights(tiny.model, "auto")
+    assert t["dtype"] == ("bfloat16" if amx_available() else "float32") and "give back" not in t["why"]
+    assert choose_weights(tiny.model, "int4")["exact"] is False
+
+
 def test_llamacpp_reference_runs_the_gguf_or_says_how_to_get_it(default_target, tiny):
     """With llama-cpp-python installed (make llamacpp) bench times it on the GGUF and reports how
     far its greedy tokens follow ours; without it, or for a target not converted from a GGUF,

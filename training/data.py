@@ -224,14 +224,18 @@ def build(target: Target, out_dir, counts: dict[str, int], heldout: int, max_tok
 
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    dtype = choose_weights(target.model, weights)["dtype"]
+    choice = choose_weights(target.model, weights)
+    dtype = choice["dtype"]
     if dtype != target.model.weights:
         target = dataclasses.replace(target, model=target.model.served_as(dtype))
+    # int8 / int4 that give back the checkpoint's weights exactly compute the float32 model's
+    # numbers: the data is float32's (a float32 folder resumes, an exact int4 engine reads it)
+    numerics = "float32" if choice["exact"] and dtype in ("int8", "int4") else dtype
     cfg = target.config
     layers = training_layers(cfg.num_layers)
     gen = dict(max_tokens=max_tokens, temperature=float(temperature), seed=seed,
                batch_size=batch_size, drafter="ngram", max_prompt_tokens=max_prompt_tokens,
-               weights=dtype)
+               weights=numerics)
     requested = dict(counts={d: counts.get(d, 0) for d in DOMAINS}, heldout=heldout,
                      shard_size=shard_size)
     m = _open_manifest(out, dict(format=FORMAT, target=str(target.path),
@@ -352,9 +356,10 @@ def add_arguments(p) -> None:
     p.add_argument("--batch-size", type=int, default=64, help="requests generated together")
     p.add_argument("--weights", choices=WEIGHTS, default="auto",
                    help="the target's matmul weights while generating and caching features: "
-                        "auto = as `angelspec build` serves them by default (bfloat16 where the "
-                        "CPU has AMX-BF16 tiles, else float32); int8 / int4 for an engine built "
-                        "with those weights")
+                        "auto = as `angelspec build` serves them by default (the fastest of "
+                        "float32, bfloat16 with AMX-BF16 tiles, and int8 / int4 where they give "
+                        "back the checkpoint's weights exactly, measured here); int8 / int4 for "
+                        "an engine built with those weights")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--seed", type=int, default=0, help="prompt sampling (and response sampling "
                                                         "when --temperature > 0)")

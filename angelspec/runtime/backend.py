@@ -3,10 +3,13 @@ torch.compile with the C++ ops kept opaque) and the dtype its matmul weights ser
 measures and picks (builders/backend.py); engines, the data step and training apply the choice."""
 from __future__ import annotations
 
+import statistics
+import time
+
 import torch
 
-from angelspec.model import Llama
-from angelspec.plugins import amx_available
+from angelspec.model import Llama, Segment
+from angelspec.plugins import amx_available, can_quantize, quantize
 
 BACKENDS = ("eager", "inductor")
 
@@ -25,28 +28,69 @@ def use_backend(model: Llama, backend: str) -> None:
 WEIGHTS = ("auto", "float32", "bfloat16", "int8", "int4")
 
 
+def decode_ms(model: Llama, context: int = 256, reps: int = 9) -> float:
+    """Median ms of one one-token forward after `context` cached tokens (a decoding step)."""
+    cache = model.new_cache(1, context + 2)
+    toks = torch.arange(context + 1) % model.cfg.vocab_size
+    model.forward(toks[:context], model.batch([Segment(0, 0, context)]), cache,
+                  logit_rows=torch.tensor([context - 1]))
+    step = model.batch([Segment(0, context, 1)])
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        model.forward(toks[context:], step, cache)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1000
+
+
 def choose_weights(model, asked: str = "auto") -> dict:
-    """How the engine's matmul weights serve. `auto`: bfloat16 when this CPU has AMX-BF16 tiles (a
-    float32 checkpoint's weights are then rounded to bf16, at most 2^-9 relative, as any bf16
-    serving stack does), else float32. `int8` / `int4` (weight-only, plugins.quantize) only when
-    asked: they change the model's outputs more than bf16 does (`angelspec bench` reports how
-    much), so that is the user's call."""
+    """How the engine's matmul weights serve. `auto`: the fastest of the options that keep the
+    model, measured here (a decoding step each, in turns): float32; bfloat16 when this CPU has
+    AMX-BF16 tiles (a float32 checkpoint's weights are then rounded to bf16, at most 2^-9
+    relative, as any bf16 serving stack does); int8 / int4 (weight-only, plugins.quantize) only
+    when they give back the checkpoint's weights exactly, as for a checkpoint converted from such
+    blocks (the default target). Otherwise int8 / int4 change the model's outputs more than bf16
+    does (`angelspec bench` reports how much), so that is the user's call: asked for by name."""
     if asked not in WEIGHTS:
         raise ValueError(f"unknown weights {asked!r} ({', '.join(WEIGHTS)})")
-    amx, exact = amx_available(), model.bf16_exact()
+    amx, bf16_exact = amx_available(), model.bf16_exact()
+    given_back = set()  # int8 / int4 that dequantize to exactly the checkpoint's weights
     if asked == "auto":
         dtype = "bfloat16" if amx else "float32"
         why = "AMX-BF16 tiles on this CPU" if amx else "no AMX-BF16 tiles on this CPU"
+        models = {dtype: model if dtype == "float32" else model.served_as(dtype)}
+        w0 = model.layers[0]["down"]
+        for scheme in ("int8", "int4"):  # one weight first: most checkpoints fail at once, cheaply
+            if not (can_quantize(w0) and torch.equal(quantize(w0, scheme).dequantized(), w0)):
+                continue
+            q = model.served_as(scheme)
+            if model.gives_back(q):
+                models[scheme] = q
+                given_back.add(scheme)
+        if len(models) > 1:
+            times = {w: [] for w in models}
+            for _ in range(3):  # in turns: a slow phase of a noisy machine hits all alike
+                for w, m in models.items():
+                    times[w].append(decode_ms(m))
+            measured = {w: round(statistics.median(t), 3) for w, t in times.items()}
+            dtype = min(measured, key=measured.get)
+            verb = "gives" if len(given_back) == 1 else "give"
+            why += (f"; {' and '.join(sorted(given_back))} {verb} back the checkpoint's weights exactly; "
+                    "a decoding step measured here: " +
+                    ", ".join(f"{w} {ms:.2f} ms" for w, ms in measured.items()) + f"; {dtype} the fastest")
     else:
         dtype, why = asked, "asked for"
+        if dtype in ("int8", "int4") and model.gives_back(model.served_as(dtype)):
+            given_back.add(dtype)
     if dtype == "bfloat16" and not amx:
         raise ValueError("bfloat16 weights need AMX-BF16 tiles, which this CPU does not offer")
     if dtype == "bfloat16":
-        why += ("; the checkpoint's weights are bf16 values (nothing rounded)" if exact else
+        why += ("; the checkpoint's weights are bf16 values (nothing rounded)" if bf16_exact else
                 "; the checkpoint's float32 weights rounded to bf16")
     if dtype in ("int8", "int4"):
         why += ("; weight-only, round to nearest in groups of 32: " +
                 ("a scale each (Q8_0)" if dtype == "int8" else
                  "a scale and a minimum each (Q4_1), the logits' matmul int8"))
-    return {"dtype": dtype, "asked": asked, "why": why, "checkpoint_is_bf16": exact}
+    exact = dtype == "float32" or (dtype == "bfloat16" and bf16_exact) or dtype in given_back
+    return {"dtype": dtype, "asked": asked, "why": why, "checkpoint_is_bf16": bf16_exact, "exact": exact}
 

@@ -73,6 +73,7 @@ class WeightsChoice:
     asked: str
     why: str
     checkpoint_is_bf16: bool
+    exact: bool = False  # the served weights are exactly the checkpoint's (the float32 model's numbers)
 
 
 @dataclass
