@@ -109,30 +109,34 @@ def export(engine: str | pathlib.Path, out: str | pathlib.Path | None = None, lo
                "plugins": {"angelspec": [s.name for s in onnx_ops.SCHEMAS],
                            "trt_edgellm": ["AttentionPlugin", "DFlashTargetKVCacheUpdate"]},
                "graphs": {}, "not_exported": {k: v for k, v in skipped.items() if k in manifest.drafters}}
-    base_of = None
-    if drafts:  # the base export reads the target layer ids from a DFlash config
-        cfg, _ = load_draft(engine / manifest.drafters[drafts[0]].path)
-        base_of = tmp / "base-contract"
-        base_of.mkdir()
-        base = {**contract(cfg, mask_id), "num_target_layers": manifest.target.num_layers}
-        (base_of / "config.json").write_text(json.dumps(base) + "\n")
-    log(f"target: Edge-LLM's exporter{' (DFlash base)' if drafts else ''} ...")
-    export_target(target_dir, tmp / "target", base_of)
-    if base_of is not None:
-        shutil.rmtree(base_of)
-    written["graphs"]["target"] = "target/llm/model.onnx"
-    table = build_custom_translation_table()
-    table.update(onnx_ops.translation_table())
-    for k in drafts:
-        log(f"{k}: the draft's own graph with Edge-LLM's plugins ...")
-        export_draft(engine / manifest.drafters[k].path, target_dir, tmp / k, table, mask_id)
-        written["graphs"][k] = f"{k}/model.onnx"
-    (tmp / "dcut").mkdir()
-    onnx.save(dcut_graph(manifest.dcut.profile, manifest.dcut.ratios), str(tmp / "dcut" / "model.onnx"))
-    written["graphs"]["dcut"] = "dcut/model.onnx"
-    written["dcut_curves_by_batch"] = manifest.dcut.profile.get("by_batch", {})
-    written["seconds"] = round(time.perf_counter() - t0, 1)
-    (tmp / "export.json").write_text(json.dumps(written, indent=1) + "\n")
+    try:  # a failed export leaves nothing behind: the engine must list every file it holds
+        base_of = None
+        if drafts:  # the base export reads the target layer ids from a DFlash config
+            cfg, _ = load_draft(engine / manifest.drafters[drafts[0]].path)
+            base_of = tmp / "base-contract"
+            base_of.mkdir()
+            base = {**contract(cfg, mask_id), "num_target_layers": manifest.target.num_layers}
+            (base_of / "config.json").write_text(json.dumps(base) + "\n")
+        log(f"target: Edge-LLM's exporter{' (DFlash base)' if drafts else ''} ...")
+        export_target(target_dir, tmp / "target", base_of)
+        if base_of is not None:
+            shutil.rmtree(base_of)
+        written["graphs"]["target"] = "target/llm/model.onnx"
+        table = build_custom_translation_table()
+        table.update(onnx_ops.translation_table())
+        for k in drafts:
+            log(f"{k}: the draft's own graph with Edge-LLM's plugins ...")
+            export_draft(engine / manifest.drafters[k].path, target_dir, tmp / k, table, mask_id)
+            written["graphs"][k] = f"{k}/model.onnx"
+        (tmp / "dcut").mkdir()
+        onnx.save(dcut_graph(manifest.dcut.profile, manifest.dcut.ratios), str(tmp / "dcut" / "model.onnx"))
+        written["graphs"]["dcut"] = "dcut/model.onnx"
+        written["dcut_curves_by_batch"] = manifest.dcut.profile.get("by_batch", {})
+        written["seconds"] = round(time.perf_counter() - t0, 1)
+        (tmp / "export.json").write_text(json.dumps(written, indent=1) + "\n")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     if out.parent.resolve() == engine.resolve():  # inside the engine: its manifest lists the files

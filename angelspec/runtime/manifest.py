@@ -73,7 +73,8 @@ class WeightsChoice:
     asked: str
     why: str
     checkpoint_is_bf16: bool
-    exact: bool = False  # the served weights are exactly the checkpoint's (the float32 model's numbers)
+    exact: bool = False  # the served weights are the checkpoint's own values (float32, int8, int4:
+    # then also float32's numbers; bf16 still rounds the activations entering each matmul)
 
 
 @dataclass
