@@ -11,6 +11,7 @@ own token at each position is drawn with a uniform keyed by seed and position).
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import pathlib
 import platform
@@ -23,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from angelspec.checkpoint import Target, load_target
+from angelspec.default_target import gguf_folder
 from angelspec.model import Segment
 from angelspec.runtime import Engine, Request, SamplingParams
 from angelspec.runtime.cost import profile
@@ -172,10 +174,6 @@ class LlamaCppRunner:
 
 def gguf_of(target: Target) -> pathlib.Path:
     """The GGUF a converted target came from (angelspec_source.json), or a precise error."""
-    import json
-
-    from angelspec.default_target import gguf_folder
-
     src = target.path / "angelspec_source.json"
     name = json.loads(src.read_text()).get("gguf") if src.exists() else None
     if not name:
