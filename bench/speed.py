@@ -183,10 +183,14 @@ def gguf_of(target: Target) -> pathlib.Path:
     return gguf_folder() / name
 
 
+def first_difference(ref: list[int], out: list[int]) -> int:
+    """The first position where two token lists differ (the shorter's length if one is a prefix)."""
+    return next((k for k, (a, b) in enumerate(zip(ref, out)) if a != b), min(len(ref), len(out)))
+
+
 def agreement(ref: list[int], out: list[int]) -> float:
     """Share of `ref`'s tokens that `out` reproduces before it first differs."""
-    same = next((k for k, (a, b) in enumerate(zip(ref, out)) if a != b), min(len(ref), len(out)))
-    return same / max(len(ref), 1)
+    return first_difference(ref, out) / max(len(ref), 1)
 
 
 REFERENCES = ("hf", "llamacpp")  # outside runtimes, timed beside ours: no drafts, no accept length
@@ -206,7 +210,7 @@ def compare(target: Target, ids: list[int], ref: list[int], out: list[int], eps:
     """'same', 'near_tie' (first divergence at a near-tie of the target) or 'diverged'."""
     if out == ref:
         return "same"
-    j = next((k for k, (a, b) in enumerate(zip(ref, out)) if a != b), min(len(ref), len(out)))
+    j = first_difference(ref, out)
     if j >= min(len(ref), len(out)):  # one stopped where the other went on
         return "diverged"
     return "near_tie" if top2_margin(target, ids + ref[:j]) < eps else "diverged"

@@ -23,7 +23,7 @@ def export_python() -> pathlib.Path:
     py = pathlib.Path(os.environ.get("ANGELSPEC_EXPORT_PYTHON") or ROOT / ".venv-export" / "bin" / "python")
     if not py.exists():
         raise RuntimeError(f"no export environment at {py}: run `make export-env` (TensorRT Edge-LLM's "
-                           "exporter, ONNX Runtime; ~3 min), or set ANGELSPEC_EXPORT_PYTHON")
+                           "exporter, ONNX Runtime; ~1 min), or set ANGELSPEC_EXPORT_PYTHON")
     return py
 
 
