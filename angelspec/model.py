@@ -31,6 +31,8 @@ from angelspec.plugins import (
     rope_,
     silu_mul,
 )
+from angelspec.plugins.decoder_layer import decoder_layer
+from angelspec.plugins.decoder_layer import prepare as prepare_layer
 from angelspec.plugins.linear import SCHEMES
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -185,9 +187,11 @@ class Llama:
         self.lm_head = self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in w \
             else get("lm_head.weight")
         self.head_w = self.lm_head  # what head() multiplies by (pack_bf16, quantize: theirs)
-        self.weights = "float32"  # the matmul weights (pack_bf16: "bfloat16"; quantize: "int8", "int4")
+        self.weights = "float32"  # the matmul weights (pack_bf16: "bfloat16"; quantize: SCHEMES)
         self.backend = "eager"  # how forward runs (runtime/backend.py: use_backend)
         self.compiled = None  # the compiled forward of a compiled backend
+        self.fused = True  # decoding forwards run each layer as one op (plugins.decoder_layer)
+        self._prepared = None  # the layers' decoder_layer arguments, built at first use
         self.norm = get("model.norm.weight")
         self.layers = []
         for i in range(cfg.num_layers):
@@ -223,9 +227,10 @@ class Llama:
         return all(torch.equal(w.bfloat16().float(), w) for w in ws if w.dtype == torch.float32)
 
     def gives_back(self, quantized: "Llama") -> bool:
-        """Whether `quantized` (this float32 model's served_as("int8"/"int4")) dequantizes to
+        """Whether `quantized` (this float32 model's served_as(one of SCHEMES)) dequantizes to
         exactly these weights: a checkpoint converted from such blocks (the default target's
-        GGUF) comes back bit for bit, so the quantized model computes this very model."""
+        GGUF) comes back bit for bit, so int8 / int4 compute this very model (w8a8 / w4a8 this
+        model on int8-rounded activations)."""
         pairs = [(quantized.head_w, self.head_w)] + [(q[k], l[k]) for q, l in zip(quantized.layers, self.layers)
                                                       for k in self.MATMULS]
         return all(torch.equal(q.dequantized(), w) if hasattr(q, "dequantized") else torch.equal(q, w)
@@ -247,14 +252,17 @@ class Llama:
             for k in self.MATMULS:
                 layer[k] = pack(layer[k])
         self.weights = "bfloat16"
+        self._prepared = None
 
     def quantize(self, scheme: str) -> None:
-        """Serve the matmuls from weight-only quantized weights (plugins.quantize, groups of 32:
-        `int8` as llama.cpp's Q8_0, `int4` as its Q4_1, the logits' matmul then int8 as llama.cpp
-        keeps its output matrix): a quarter / a fifth of the float32 bytes per forward. What is
-        served is the float32 model on the dequantized weights, row-exact like it
-        (plugins.linear), so speculative output equals this model's own batch-1 output. The
-        embedding and `lm_head` stay float32 for the drafters."""
+        """Serve the matmuls from quantized weights (plugins.quantize, groups of 32: `int8` as
+        llama.cpp's Q8_0, `int4` as its Q4_1, the logits' matmul then int8 as llama.cpp keeps
+        its output matrix): a quarter / a fifth of the float32 bytes per forward. int8 / int4
+        (weight-only) serve the float32 model on the dequantized weights; w8a8 / w4a8 the same
+        weights with each matmul's input rounded to int8 in blocks of 32 (integer dot products,
+        as llama.cpp computes). Both are row-exact (plugins.linear), so speculative output equals
+        this model's own batch-1 output. The embedding and `lm_head` stay float32 for the
+        drafters."""
         if self.weights == scheme:
             return
         if scheme not in SCHEMES:
@@ -262,15 +270,16 @@ class Llama:
         if self.weights != "float32":
             raise RuntimeError(f"cannot quantize {self.weights} weights: start from float32")
         pack = lambda w, s=scheme: quantize(w, s) if can_quantize(w) else w  # noqa: E731
-        self.head_w = pack(self.lm_head, "int8")
+        self.head_w = pack(self.lm_head, "w8a8" if scheme in ("w8a8", "w4a8") else "int8")
         for layer in self.layers:
             for k in self.MATMULS:
                 layer[k] = pack(layer[k])
         self.weights = scheme
+        self._prepared = None
 
     def serve(self, weights: str) -> None:
         """Serve the matmuls as `weights` says: float32 (as loaded), bfloat16 (pack_bf16), int8 /
-        int4 (quantize)."""
+        int4 / w8a8 / w4a8 (quantize)."""
         if weights == "bfloat16":
             self.pack_bf16()
         elif weights != "float32":
@@ -287,6 +296,7 @@ class Llama:
             raise ValueError(f"this model already serves {self.weights} weights: pass a float32 one")
         m = copy.copy(self)
         m.layers = [dict(l) for l in self.layers]
+        m._prepared = None
         m.serve(weights)
         return m
 
@@ -325,16 +335,25 @@ class Llama:
         x = F.embedding(tokens, self.embed)
         hidden = {0: x} if 0 in capture else {}
         nq, nkv, hd, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
+        # decoding and verification: each layer one op, the same kernels in the same order
+        fused = self.fused and len(tokens) <= SKINNY_MAX_ROWS and not torch.compiler.is_compiling()
+        if fused and self._prepared is None:
+            self._prepared = [prepare_layer(layer, eps) for layer in self.layers]
         for i, layer in enumerate(self.layers):
-            qkv = linear(rms_norm(x, layer["in_norm"], eps), layer["qkv"], layer["qkv_b"])
-            qkv = qkv.view(-1, nq + 2 * nkv, hd)
-            rope_(qkv, self.cos, self.sin, batch.rope_positions, nq + nkv)
-            q, k, v = qkv.split([nq, nkv, nkv], dim=1)
-            attn = self._attention(q, k, v, batch, cache.k[i], cache.v[i])
-            x = x + linear(attn, layer["o"], layer["o_b"])
-            gate_up = linear(rms_norm(x, layer["post_norm"], eps), layer["gate_up"],
-                             layer["gate_up_b"])
-            x = x + linear(silu_mul(gate_up), layer["down"], layer["down_b"])
+            if fused:
+                x = decoder_layer(x, self._prepared[i], self.cos, self.sin, batch.rope_positions, nq,
+                                  nkv, cache.k[i], cache.v[i], batch.slots, batch.positions,
+                                  batch.parents, cfg.sliding_window)
+            else:
+                qkv = linear(rms_norm(x, layer["in_norm"], eps), layer["qkv"], layer["qkv_b"])
+                qkv = qkv.view(-1, nq + 2 * nkv, hd)
+                rope_(qkv, self.cos, self.sin, batch.rope_positions, nq + nkv)
+                q, k, v = qkv.split([nq, nkv, nkv], dim=1)
+                attn = self._attention(q, k, v, batch, cache.k[i], cache.v[i])
+                x = x + linear(attn, layer["o"], layer["o_b"])
+                gate_up = linear(rms_norm(x, layer["post_norm"], eps), layer["gate_up"],
+                                 layer["gate_up_b"])
+                x = x + linear(silu_mul(gate_up), layer["down"], layer["down_b"])
             if i + 1 in capture:
                 hidden[i + 1] = x
         if logit_rows is not None:

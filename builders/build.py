@@ -256,13 +256,16 @@ def add_arguments(p) -> None:
                    help="the matmul weights: bfloat16 runs them on the AMX tile unit (weights and "
                         "the activations entering each matmul in bf16, sums in float32); auto "
                         "measures a decoding step of float32, bfloat16 (with AMX-BF16 tiles) and "
-                        "int8 / int4 where they give back the checkpoint's weights exactly (the "
-                        "default target: int4) and serves the fastest, saying why. int8 / int4: "
-                        "weight-only quantized in groups of 32 as llama.cpp's Q8_0 / Q4_1, 3.6x / "
-                        "5.3x fewer bytes per token than float32, any AVX2 CPU; outputs may "
-                        "differ from float32's (bench reports the agreement; a checkpoint "
-                        "converted from such a GGUF, as the default target, comes back exactly), "
-                        "and speculative output equals the same engine's own autoregressive output")
+                        "int8 / int4 (and w8a8 / w4a8) where they give back the checkpoint's "
+                        "weights exactly (the default target: int4) and serves the fastest, "
+                        "saying why. int8 / int4: weight-only quantized in groups of 32 as "
+                        "llama.cpp's Q8_0 / Q4_1, 3.6x / 5.3x fewer bytes per token than "
+                        "float32, any AVX2 CPU; w8a8 / w4a8: the same weights, each matmul's "
+                        "input rounded to int8 in blocks of 32 and integer dot products, as "
+                        "llama.cpp computes. Outputs may differ from float32's (bench reports "
+                        "the agreement; a checkpoint converted from such a GGUF, as the default "
+                        "target, comes back exactly), and speculative output equals the same "
+                        "engine's own autoregressive output")
     p.add_argument("--no-dcut", action="store_true", help="serve with a fixed draft length by default")
     p.add_argument("--export", choices=["trtllm", "tensorrt"], default=None,
                    help="also write <out>/trtllm/ (the drafts and an LLM-API YAML for TensorRT-LLM) "

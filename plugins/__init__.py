@@ -1,7 +1,9 @@
 """AngelSpec's custom ops, registered with torch.library in the `angelspec` namespace.
 
 Model kernels (C++, csrc/; compiled when AngelSpec is installed, see build.py): skinny_linear,
-quant_linear (int8 / int4 weight-only), amx_linear (+ amx_pack), cached_attention, rms_norm, rope_, silu_mul.
+quant_linear (int8 / int4 weight-only), quant_dot_linear (w8a8 / w4a8), amx_linear (+ amx_pack),
+cached_attention, rms_norm, rope_, silu_mul, and decoder_layer (one layer of a decoding forward
+through those kernels, in one call).
 System ops (PyTorch, one implementation of each rule): verify_greedy, verify_rejection,
 dcut_select, dfly_draft_head. Every op has a fake implementation (torch.compile / torch.export).
 """

@@ -10,7 +10,9 @@ unit, row-exact too. Weight-only quantized weights (`quantize`: int8 or int4 in 
 use `angelspec::quant_linear` up to SKINNY_MAX_ROWS rows: it expands each block of weight rows
 to float32 in cache and runs the skinny kernel's tiles on it, so it computes exactly what the
 float32 path does on the dequantized weights (`QuantWeight.dequantized`), which longer inputs
-use.
+use. The w8a8 / w4a8 schemes keep those weights and round the activations to int8 in blocks of
+32 as llama.cpp does (`angelspec::quant_dot_linear`: integer dot products, row-exact, any row
+count): fewer instructions per weight, at the cost of the activations' rounding.
 """
 from dataclasses import dataclass
 
@@ -25,6 +27,7 @@ load_kernels()
 _skinny = torch.ops.angelspec.skinny_linear
 _amx = torch.ops.angelspec.amx_linear
 _quant = torch.ops.angelspec.quant_linear
+_quant_dot = torch.ops.angelspec.quant_dot_linear
 
 
 def amx_available() -> bool:
@@ -44,7 +47,8 @@ def pack_bf16(w: torch.Tensor) -> torch.Tensor:
 
 
 GROUP = 32  # input weights per scale (and offset): llama.cpp's Q8_0 / Q4_1 blocks
-SCHEMES = ("int8", "int4")
+SCHEMES = ("int8", "int4", "w8a8", "w4a8")
+WEIGHT_BITS = {"int8": 8, "int4": 4, "w8a8": 8, "w4a8": 4}
 
 
 @dataclass(frozen=True)
@@ -54,11 +58,13 @@ class QuantWeight:
     int8: w = q * scale (q int8 [out, in] in [-127, 127], symmetric: llama.cpp's Q8_0).
     int4: w = q * scale + offset (q uint8 [out, in / 2], levels 0-15 from the group's minimum,
     two a byte as csrc/quant_tile.h lays them out: llama.cpp's Q4_1). A checkpoint converted from
-    such a GGUF (the default target's is Q4_1 with a Q8_0 embedding) comes back exactly."""
+    such a GGUF (the default target's is Q4_1 with a Q8_0 embedding) comes back exactly.
+    int8_activations (w8a8 / w4a8): `linear` rounds x to int8 in blocks of GROUP first."""
     q: torch.Tensor
     scale: torch.Tensor  # float32 [out, in // GROUP]
     bits: int
     offset: torch.Tensor | None = None  # float32 [out, in // GROUP] (int4)
+    int8_activations: bool = False
 
     @property
     def shape(self) -> torch.Size:
@@ -91,7 +97,8 @@ def can_quantize(w: torch.Tensor) -> bool:
 
 def quantize(w: torch.Tensor, scheme: str) -> QuantWeight:
     """float32 [out, in] -> QuantWeight, rounding each weight to the nearest level of its group:
-    int8, scale = max |w| / 127; int4, offset = min w and scale = (max w - min w) / 15."""
+    int8 / w8a8, scale = max |w| / 127; int4 / w4a8, offset = min w and scale = (max w - min w)
+    / 15."""
     if scheme not in SCHEMES:
         raise ValueError(f"unknown weight scheme {scheme!r} ({', '.join(SCHEMES)})")
     if not can_quantize(w):
@@ -99,21 +106,31 @@ def quantize(w: torch.Tensor, scheme: str) -> QuantWeight:
     out, cols = w.shape
     g = w.float().reshape(out, -1, GROUP)
     tiny = torch.finfo(torch.float32).tiny
-    if scheme == "int8":
+    a8 = scheme in ("w8a8", "w4a8")
+    if WEIGHT_BITS[scheme] == 8:
         scale = (g.abs().amax(2) / 127).clamp_min(tiny)
         q = torch.round(g / scale[..., None]).clamp(-127, 127)
-        return QuantWeight(q.to(torch.int8).view(out, cols).contiguous(), scale.contiguous(), 8)
+        return QuantWeight(q.to(torch.int8).view(out, cols).contiguous(), scale.contiguous(), 8,
+                           int8_activations=a8)
     low = g.amin(2)
     scale = ((g.amax(2) - low) / 15).clamp_min(tiny)
     q = torch.round((g - low[..., None]) / scale[..., None]).clamp(0, 15)
     u = q.to(torch.uint8).view(out, -1, 2, 16)
     return QuantWeight((u[:, :, 0] | (u[:, :, 1] << 4)).reshape(out, -1).contiguous(),
-                       scale.contiguous(), 4, low.contiguous())
+                       scale.contiguous(), 4, low.contiguous(), a8)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in], w [out, in] (float32, packed by pack_bf16, or a QuantWeight), b [out] or
     None -> [..., out]."""
+    if type(w) is QuantWeight and w.int8_activations and not x.requires_grad:
+        # the decoding step's hot path (121 calls a step for the default target): no more
+        # Python than it needs
+        flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        y = _quant_dot(flat if flat.dtype == torch.float32 else flat.float(), w.q, w.scale, w.offset, w.bits)
+        if flat is not x:
+            y = y.view(*x.shape[:-1], y.shape[-1])
+        return y if b is None else y + b
     rows = x.numel() // x.shape[-1]
     if isinstance(w, QuantWeight):
         if rows > SKINNY_MAX_ROWS or x.requires_grad:  # prompt prefill: BLAS on the same weights

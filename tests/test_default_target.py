@@ -82,14 +82,15 @@ def test_bench_cli_writes_the_documented_json(default_target, tmp_path):
 
 def test_auto_weights_measure_int4_only_where_it_gives_back_the_checkpoint(default_target, tiny):
     """--weights auto: the default target's int4 is its own weights, so the build measures it
-    beside float32 (bf16 with AMX) and serves the faster, saying why; a random checkpoint's int8
-    and int4 are not exact, so they are never picked unasked."""
+    and w4a8 (the same weights, integer dot products) beside float32 (bf16 with AMX) and serves
+    the fastest, saying why; a random checkpoint's int8 and int4 are not exact, so they are never
+    picked unasked."""
     from angelspec.plugins import amx_available
     from angelspec.runtime.backend import choose_weights
 
     w = choose_weights(default_target.model, "auto")
-    assert "int4 gives back the checkpoint's weights exactly" in w["why"] and "ms" in w["why"]
-    assert w["dtype"] in ("int4", "bfloat16" if amx_available() else "float32")
+    assert "int4 gives back the checkpoint's weights exactly" in w["why"] and "w4a8 " in w["why"]
+    assert w["dtype"] in ("int4", "w4a8", "bfloat16" if amx_available() else "float32")
     assert w["exact"] == (w["dtype"] != "bfloat16")  # the GGUF's Q4_1 weights are not bf16 values
     assert default_target.model.weights == "float32"  # the caller's model is left as it is
     t = choose_weights(tiny.model, "auto")

@@ -56,6 +56,35 @@ def test_verification_forward_rounds_exactly_like_one_token_forwards(tiny):
     assert torch.equal(packed[3:], block)
 
 
+@pytest.mark.parametrize("name", ["llama_linear_rope_bias", "mistral", "mistral_sliding_window"])
+def test_each_layer_as_one_op_computes_what_the_ops_one_by_one_compute(tmp_path, name):
+    """plugins.decoder_layer (decoding and verification forwards) against the model's op-by-op
+    layer loop, bit for bit: prefill, decode steps, a token tree, captured hidden states, for
+    every weight kind it dispatches (float32; bf16 with AMX; weight-only and int8-activation
+    quantized), with biases, a head_dim of its own and a sliding window."""
+    from angelspec.plugins import amx_available
+
+    make_checkpoint(tmp_path, **VARIANTS[name])
+    cfg = read_config(tmp_path)
+    base = Llama(cfg, read_weights(tmp_path), max_len=128)
+    ids = torch.randint(0, cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(3))
+    tree = torch.tensor([-1, 0, 0, 1, 2])
+    for weights in ["float32", "int8", "int4", "w8a8", "w4a8"] + (["bfloat16"] if amx_available() else []):
+        fused = base.served_as(weights)
+        ops = base.served_as(weights) if weights != "float32" else Llama(cfg, read_weights(tmp_path), max_len=128)
+        ops.fused = False
+        caches = [m.new_cache(2, 64) for m in (fused, ops)]
+        steps = [(ids[:20], [Segment(1, 0, 20)]), (ids[20:21], [Segment(1, 20, 1)]),
+                 (ids[21:25], [Segment(1, 21, 4)]), (ids[:3], [Segment(0, 0, 3)])]
+        if not cfg.sliding_window:  # token trees need full attention
+            steps.append((ids[25:30], [Segment(1, 25, 5, parents=tree)]))
+        for toks, segs in steps:
+            a, ha = fused.forward(toks, fused.batch(segs), caches[0], capture=(1, cfg.num_layers))
+            b, hb = ops.forward(toks, ops.batch(segs), caches[1], capture=(1, cfg.num_layers))
+            assert torch.equal(a, b) and all(torch.equal(ha[k], hb[k]) for k in hb), (weights, len(toks))
+        assert all(torch.equal(x, y) for x, y in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v))
+
+
 def test_hidden_states_of_chosen_layers(tmp_path):
     hf = make_checkpoint(tmp_path)
     cfg = read_config(tmp_path)

@@ -1,5 +1,6 @@
-"""Weight-only int8 / int4 engines: the kernel computes the float32 kernel on the dequantized
-weights, row-exact; a quantized model serves losslessly against itself; a build serves them."""
+"""Quantized engines: the weight-only int8 / int4 kernel computes the float32 kernel on the
+dequantized weights, row-exact; the w8a8 / w4a8 kernel those weights times int8-rounded
+activations, row-exact; a quantized model serves losslessly against itself; a build serves them."""
 import pytest
 import torch
 from conftest import check_on_each_isa, tiny_target
@@ -31,6 +32,42 @@ print("ok", torch.backends.cpu.get_cpu_capability())
 def test_quant_linear_is_the_float32_kernel_on_dequantized_weights_row_exact():
     """On the AVX2 path and the native one (AVX-512 where the CPU has it)."""
     check_on_each_isa(CHECK)
+
+
+def int8_activations(x: torch.Tensor) -> torch.Tensor:
+    """x rounded as quant_dot_linear rounds it: int8 levels in blocks of 32, scale max |x| / 127."""
+    b = x.view(x.shape[0], -1, 32)
+    amax = b.abs().amax(2, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127) / amax, 0)  # (127 / t is 127 * (1 / t))
+    return ((b * inv).round() * (amax / 127)).view_as(x)
+
+
+@pytest.mark.parametrize("scheme", ["w8a8", "w4a8"])
+def test_quant_dot_linear_is_int8_activations_times_the_weights_row_exact(scheme):
+    """Integer dot products on int8-rounded activations: the exact product of the rounded x and
+    the dequantized weights up to float32 accumulation, and each row rounds alike whatever the
+    rows around it (1, 2, odd counts, more than SKINNY_MAX_ROWS)."""
+    g = torch.Generator().manual_seed(2)
+    for out_f, in_f in [(577, 64), (48, 576), (7, 1536)]:
+        w = ops.quantize(torch.randn(out_f, in_f, generator=g), scheme)
+        assert w.int8_activations and w.bits == (8 if scheme == "w8a8" else 4)
+        x = torch.randn(133, in_f, generator=g) * torch.rand(133, 1, generator=g) * 4
+        x[5] = 0.0  # an all-zero row
+        y = ops.linear(x, w)
+        ref = int8_activations(x).double() @ w.dequantized().double().T
+        assert torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-4 * ref.abs().max().item()), (scheme, out_f)
+        assert torch.equal(y[5], torch.zeros(out_f))
+        for a, b in ((0, 1), (0, 2), (3, 10), (18, 19), (1, 133)):
+            assert torch.equal(ops.linear(x[a:b], w), y[a:b]), (scheme, out_f, a, b)
+    weight_only = ops.quantize(torch.randn(8, 64, generator=g), scheme.replace("w8a8", "int8").replace("w4a8", "int4"))
+    assert not weight_only.int8_activations
+    args = (torch.randn(3, 64), w.q[:, : 64 // (8 // w.bits)].contiguous(), w.scale[:, :2].contiguous(),
+            None if w.offset is None else w.offset[:, :2].contiguous(), w.bits)
+    torch.library.opcheck(torch.ops.angelspec.quant_dot_linear, args)
+    with pytest.raises(RuntimeError, match="bits must be 8 or 4"):
+        torch.ops.angelspec.quant_dot_linear(*args[:4], 2)
+    with pytest.raises(RuntimeError, match="in / 32"):
+        torch.ops.angelspec.quant_dot_linear(args[0], args[1], args[2][:, :1], args[3], w.bits)
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
@@ -68,7 +105,7 @@ def test_quantize_rounds_each_weight_to_its_groups_nearest_level(scheme):
         ops.quantize(torch.randn(4, 100), scheme)
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("scheme", ["int8", "int4", "w8a8", "w4a8"])
 def test_quantized_model_serves_losslessly_against_itself(tmp_path, scheme):
     """Greedy speculative decoding (chains, trees, D-cut on and off, batch 1 and 3) equals the
     quantized model's own batch-1 decoding, a prompt longer than the row-exact kernels (BLAS on
@@ -78,8 +115,9 @@ def test_quantized_model_serves_losslessly_against_itself(tmp_path, scheme):
     bytes32 = m.weight_bytes()
     m.quantize(scheme)
     assert m.weights == scheme and m.head_w.bits == 8  # the logits' matmul: int8 under int4 too
+    assert m.head_w.int8_activations == (scheme in ("w8a8", "w4a8"))
     assert m.lm_head.dtype == torch.float32  # the drafters' copy
-    assert m.weight_bytes() < (0.3 if scheme == "int8" else 0.25) * bytes32
+    assert m.weight_bytes() < (0.3 if scheme in ("int8", "w8a8") else 0.25) * bytes32
     p = SamplingParams(max_tokens=24)
     ps = [[5, 9, 14, 5, 9], [3] * 12, list(range(1, 90)) + list(range(1, 70))]
     ar = Engine(target, max_batch=1, max_len=256)

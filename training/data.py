@@ -357,9 +357,9 @@ def add_arguments(p) -> None:
     p.add_argument("--weights", choices=WEIGHTS, default="auto",
                    help="the target's matmul weights while generating and caching features: "
                         "auto = as `angelspec build` serves them by default (the fastest of "
-                        "float32, bfloat16 with AMX-BF16 tiles, and int8 / int4 where they give "
-                        "back the checkpoint's weights exactly, measured here); int8 / int4 for "
-                        "an engine built with those weights")
+                        "float32, bfloat16 with AMX-BF16 tiles, and int8 / int4 / w8a8 / w4a8 "
+                        "where they give back the checkpoint's weights exactly, measured here); "
+                        "a scheme by name for an engine built with those weights")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--seed", type=int, default=0, help="prompt sampling (and response sampling "
                                                         "when --temperature > 0)")

@@ -10,6 +10,7 @@ import torch
 
 from angelspec.model import Llama, Segment
 from angelspec.plugins import amx_available, can_quantize, quantize
+from angelspec.plugins.linear import SCHEMES, WEIGHT_BITS
 
 BACKENDS = ("eager", "inductor")
 
@@ -25,7 +26,8 @@ def use_backend(model: Llama, backend: str) -> None:
     model.compiled = None if backend == "eager" else torch.compile(model.eager_forward, dynamic=True)
 
 
-WEIGHTS = ("auto", "float32", "bfloat16", "int8", "int4")
+WEIGHTS = ("auto", "float32", "bfloat16") + SCHEMES
+WITH_INT8_ACTIVATIONS = {"int8": "w8a8", "int4": "w4a8"}  # the same weights, llama.cpp's arithmetic
 
 
 def decode_ms(model: Llama, context: int = 256, reps: int = 9) -> float:
@@ -49,8 +51,10 @@ def choose_weights(model, asked: str = "auto") -> dict:
     AMX-BF16 tiles (a float32 checkpoint's weights are then rounded to bf16, at most 2^-9
     relative, as any bf16 serving stack does); int8 / int4 (weight-only, plugins.quantize) only
     when they give back the checkpoint's weights exactly, as for a checkpoint converted from such
-    blocks (the default target). Otherwise int8 / int4 change the model's outputs more than bf16
-    does (`angelspec bench` reports how much), so that is the user's call: asked for by name."""
+    blocks (the default target), and then also w8a8 / w4a8 (those weights, each matmul's input
+    rounded to int8 in blocks of 32 as llama.cpp rounds it: integer dot products). Otherwise
+    int8 / int4 change the model's outputs more than bf16 does (`angelspec bench` reports how
+    much), so that is the user's call: asked for by name."""
     if asked not in WEIGHTS:
         raise ValueError(f"unknown weights {asked!r} ({', '.join(WEIGHTS)})")
     amx, bf16_exact = amx_available(), model.bf16_exact()
@@ -65,8 +69,9 @@ def choose_weights(model, asked: str = "auto") -> dict:
                 continue
             q = model.served_as(scheme)
             if model.gives_back(q):
-                models[scheme] = q
-                given_back.add(scheme)
+                twin = WITH_INT8_ACTIVATIONS[scheme]
+                models[scheme], models[twin] = q, model.served_as(twin)
+                given_back |= {scheme, twin}
         if len(models) > 1:
             times = {w: [] for w in models}
             for _ in range(3):  # in turns: a slow phase of a noisy machine hits all alike
@@ -74,23 +79,26 @@ def choose_weights(model, asked: str = "auto") -> dict:
                     times[w].append(decode_ms(m))
             measured = {w: round(statistics.median(t), 3) for w, t in times.items()}
             dtype = min(measured, key=measured.get)
-            verb = "gives" if len(given_back) == 1 else "give"
-            why += (f"; {' and '.join(sorted(given_back))} {verb} back the checkpoint's weights exactly; "
+            weight_only = sorted(w for w in given_back if w in WITH_INT8_ACTIVATIONS)
+            verb = "gives" if len(weight_only) == 1 else "give"
+            why += (f"; {' and '.join(weight_only)} {verb} back the checkpoint's weights exactly; "
                     "a decoding step measured here: " +
                     ", ".join(f"{w} {ms:.2f} ms" for w, ms in measured.items()) + f"; {dtype} the fastest")
     else:
         dtype, why = asked, "asked for"
-        if dtype in ("int8", "int4") and model.gives_back(model.served_as(dtype)):
+        if dtype in SCHEMES and model.gives_back(model.served_as(dtype)):
             given_back.add(dtype)
     if dtype == "bfloat16" and not amx:
         raise ValueError("bfloat16 weights need AMX-BF16 tiles, which this CPU does not offer")
     if dtype == "bfloat16":
         why += ("; the checkpoint's weights are bf16 values (nothing rounded)" if bf16_exact else
                 "; the checkpoint's float32 weights rounded to bf16")
-    if dtype in ("int8", "int4"):
-        why += ("; weight-only, round to nearest in groups of 32: " +
-                ("a scale each (Q8_0)" if dtype == "int8" else
-                 "a scale and a minimum each (Q4_1), the logits' matmul int8"))
+    if dtype in SCHEMES:
+        why += ("; weights rounded to nearest in groups of 32: " +
+                ("a scale each (Q8_0)" if WEIGHT_BITS[dtype] == 8 else
+                 "a scale and a minimum each (Q4_1), the logits' matmul int8") +
+                ("; activations float32 (weight-only)" if dtype in WITH_INT8_ACTIVATIONS else
+                 "; each matmul's input rounded to int8 in blocks of 32, integer dot products"))
     exact = dtype == "float32" or (dtype == "bfloat16" and bf16_exact) or dtype in given_back
     return {"dtype": dtype, "asked": asked, "why": why, "checkpoint_is_bf16": bf16_exact, "exact": exact}
 

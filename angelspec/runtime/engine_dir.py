@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from angelspec import DEFAULT_MAX_LEN
 from angelspec.checkpoint import load_target
 from angelspec.plugins import amx_available
+from angelspec.plugins.linear import SCHEMES
 from angelspec.runtime.backend import use_backend
 from angelspec.runtime.cost import CostTable, fingerprint, profile
 from angelspec.runtime.engine import Engine
@@ -36,7 +37,7 @@ def load_engine(path: str | pathlib.Path, max_batch: int = 8, max_len: int = DEF
     if target is None:
         target = load_target(path / "target", max_len=max(max_len, 64))
     backend = manifest.backend.chosen
-    if manifest.weights.dtype in ("int8", "int4"):
+    if manifest.weights.dtype in SCHEMES:
         target.model.serve(manifest.weights.dtype)
     if manifest.weights.dtype == "bfloat16":
         if amx_available():

@@ -74,7 +74,8 @@ class WeightsChoice:
     why: str
     checkpoint_is_bf16: bool
     exact: bool = False  # the served weights are the checkpoint's own values (float32, int8, int4:
-    # then also float32's numbers; bf16 still rounds the activations entering each matmul)
+    # then also float32's numbers; bf16, w8a8 and w4a8 still round the activations entering each
+    # matmul)
 
 
 @dataclass

@@ -1,0 +1,71 @@
+// y = x @ w.T for the w8a8 / w4a8 schemes: int8 or int4 weights (quant_tile.h's layouts, groups
+// of 32) times x rounded to int8 in blocks of 32, with integer dot products (dot_tile.h). One
+// AVX2 kernel for every CPU: its numbers do not depend on the vector width.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <vector>
+
+#include "dot_tile.h"
+
+namespace {
+constexpr int kRows = 2, kCols = 4;  // 8 accumulators, 4 weight blocks, x and temporaries
+}
+
+// x float32 [n, in]; q int8 [out, in] (bits 8) or uint8 [out, in / 2] (bits 4); scale float32
+// [out, in / 32]; offset (bits 4 only, required) like scale.
+torch::Tensor quant_dot_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
+                               const std::optional<torch::Tensor>& offset, int64_t bits) {
+  TORCH_CHECK(bits == 8 || bits == 4, "quant_dot_linear: bits must be 8 or 4, got ", bits);
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "quant_dot_linear: x float32 [n, in] expected");
+  TORCH_CHECK(q.dim() == 2 && q.dtype() == (bits == 8 ? torch::kInt8 : torch::kUInt8),
+              "quant_dot_linear: q ", bits == 8 ? "int8 [out, in]" : "uint8 [out, in / 2]",
+              " expected for ", bits, " bits");
+  TORCH_CHECK((bits == 4) == offset.has_value(), "quant_dot_linear: an offset goes with 4 bits, and only");
+  const int64_t n = x.size(0), in = x.size(1), out = q.size(0);
+  TORCH_CHECK(q.size(1) * (bits == 8 ? 1 : 2) == in && in % kBlock == 0, "quant_dot_linear: q ",
+              q.sizes(), " does not match x ", x.sizes(), " (rows of a multiple of 32 weights)");
+  TORCH_CHECK(scale.dtype() == torch::kFloat32 && scale.dim() == 2 && scale.size(0) == out &&
+                  scale.size(1) == in / kBlock,
+              "quant_dot_linear: scale must be float32 [out, in / 32], got ", scale.sizes());
+  torch::Tensor oc;
+  if (offset) {
+    TORCH_CHECK(offset->sizes() == scale.sizes() && offset->dtype() == torch::kFloat32,
+                "quant_dot_linear: offset must be float32 like scale ", scale.sizes());
+    oc = offset->contiguous();
+  }
+  auto xc = x.contiguous();
+  auto qc = q.contiguous();
+  auto sc = scale.contiguous();
+  auto y = torch::empty({n, out}, xc.options());
+  // x's int8 levels and scales: scratch of the calling thread, reused from call to call
+  const int64_t blocks = in / kBlock, stride = scale_stride(bits, blocks);
+  thread_local std::vector<int8_t> xq_buf;
+  thread_local std::vector<float> d_buf;
+  xq_buf.resize(n * in);
+  d_buf.resize(n * (stride + (bits == 4 ? blocks : 0)));
+  int8_t* xqp = xq_buf.data();
+  float* dp = d_buf.data();
+  float* dsp = bits == 4 ? dp + n * stride : nullptr;
+  const float* xp = xc.data_ptr<float>();
+  const uint8_t* qp = static_cast<const uint8_t*>(qc.data_ptr());
+  const float* sp = sc.data_ptr<float>();
+  const float* op = offset ? oc.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, n, 64, [&](int64_t r0, int64_t r1) {
+    quantize_rows(xp + r0 * in, r1 - r0, in, bits, xqp + r0 * in, dp + r0 * stride,
+                  dsp ? dsp + r0 * blocks : nullptr);
+  });
+  auto* fn = bits == 8 ? &dot_blocks<8, kRows, kCols> : &dot_blocks<4, kRows, kCols>;
+  at::parallel_for(0, (out + kCols - 1) / kCols, 16, [&](int64_t b0, int64_t b1) {
+    fn(xqp, dp, dsp, qp, sp, op, yp, n, in, out, b0, b1);
+  });
+  return y;
+}
+
+TORCH_LIBRARY_FRAGMENT(angelspec, m) {
+  m.def("quant_dot_linear(Tensor x, Tensor q, Tensor scale, Tensor? offset, int bits) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(angelspec, CPU, m) {
+  m.impl("quant_dot_linear", &quant_dot_linear);
+}
