@@ -15,7 +15,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 CSRC = HERE / "csrc"
 NAME = "_kernels"
 STAMP = HERE / f"{NAME}.stamp"
-CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
 _loaded = False
 
@@ -51,7 +51,7 @@ def load_kernels() -> None:
     if lib is None or stamp is None:
         raise RuntimeError(
             "AngelSpec's C++ kernels are not built (or their build was interrupted): run "
-            "`make setup`, or `pip install --no-build-isolation -e .` (needs g++ with AVX2/FMA)")
+            "`make setup`, or `pip install --no-build-isolation -e .` (needs g++ and a CPU with AVX2/FMA)")
     if stamp != sources_hash():
         raise RuntimeError(
             f"AngelSpec's C++ kernels in {lib.name} were built from other sources than "

@@ -59,11 +59,13 @@ class QuantWeight:
     int4: w = q * scale + offset (q uint8 [out, in / 2], levels 0-15 from the group's minimum,
     two a byte as csrc/quant_tile.h lays them out: llama.cpp's Q4_1). A checkpoint converted from
     such a GGUF (the default target's is Q4_1 with a Q8_0 embedding) comes back exactly.
-    int8_activations (w8a8 / w4a8): `linear` rounds x to int8 in blocks of GROUP first."""
+    int8_activations (w8a8 / w4a8): `linear` rounds x to int8 in blocks of GROUP first, and the
+    scales and minima are float16, as in the GGUF blocks (a float32 one is rounded to float16
+    before the weights are rounded to its levels): a sixth fewer bytes per int4 weight."""
     q: torch.Tensor
-    scale: torch.Tensor  # float32 [out, in // GROUP]
+    scale: torch.Tensor  # float32 [out, in // GROUP] (float16 with int8_activations)
     bits: int
-    offset: torch.Tensor | None = None  # float32 [out, in // GROUP] (int4)
+    offset: torch.Tensor | None = None  # like scale (int4)
     int8_activations: bool = False
 
     @property
@@ -72,8 +74,8 @@ class QuantWeight:
 
     @property
     def nbytes(self) -> int:
-        extra = 0 if self.offset is None else self.offset.numel() * 4
-        return self.q.numel() * self.q.element_size() + self.scale.numel() * 4 + extra
+        extra = 0 if self.offset is None else self.offset.nbytes
+        return self.q.nbytes + self.scale.nbytes + extra
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weights this serves: q * scale (+ offset), each operation rounded, as the
@@ -84,9 +86,9 @@ class QuantWeight:
         else:
             b = self.q.view(out, -1, 1, 16)
             q = torch.cat([b & 15, b >> 4], dim=2).view(out, cols).float()
-        w = q.view(out, -1, GROUP) * self.scale[..., None]
+        w = q.view(out, -1, GROUP) * self.scale.float()[..., None]
         if self.offset is not None:
-            w = w + self.offset[..., None]
+            w = w + self.offset.float()[..., None]
         return w.view(out, cols)
 
 
@@ -107,17 +109,23 @@ def quantize(w: torch.Tensor, scheme: str) -> QuantWeight:
     g = w.float().reshape(out, -1, GROUP)
     tiny = torch.finfo(torch.float32).tiny
     a8 = scheme in ("w8a8", "w4a8")
+    # float16 scales and minima (a8): rounded first, then the weights to their levels
+    stored = (lambda t: t.half().float()) if a8 else (lambda t: t)  # noqa: E731
+    if a8:
+        tiny = 2.0 ** -24  # float16's smallest step
     if WEIGHT_BITS[scheme] == 8:
-        scale = (g.abs().amax(2) / 127).clamp_min(tiny)
+        scale = stored((g.abs().amax(2) / 127).clamp_min(tiny))
         q = torch.round(g / scale[..., None]).clamp(-127, 127)
-        return QuantWeight(q.to(torch.int8).view(out, cols).contiguous(), scale.contiguous(), 8,
+        return QuantWeight(q.to(torch.int8).view(out, cols).contiguous(),
+                           scale.to(torch.float16 if a8 else torch.float32).contiguous(), 8,
                            int8_activations=a8)
-    low = g.amin(2)
-    scale = ((g.amax(2) - low) / 15).clamp_min(tiny)
+    low = stored(g.amin(2))
+    scale = stored(((g.amax(2) - low) / 15).clamp_min(tiny))
     q = torch.round((g - low[..., None]) / scale[..., None]).clamp(0, 15)
     u = q.to(torch.uint8).view(out, -1, 2, 16)
+    dtype = torch.float16 if a8 else torch.float32
     return QuantWeight((u[:, :, 0] | (u[:, :, 1] << 4)).reshape(out, -1).contiguous(),
-                       scale.contiguous(), 4, low.contiguous(), a8)
+                       scale.to(dtype).contiguous(), 4, low.to(dtype).contiguous(), a8)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:

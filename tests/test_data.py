@@ -76,8 +76,8 @@ def built(default_target, tmp_path_factory):
 
 def as_made(target, m):
     """The target as the data step ran it: with the matmul weights an engine serves."""
-    if m["generation"]["weights"] == "bfloat16":
-        return dataclasses.replace(target, model=target.model.served_as("bfloat16"))
+    if m["generation"]["weights"] != "float32":  # an exact int4 is recorded as float32's numbers
+        return dataclasses.replace(target, model=target.model.served_as(m["generation"]["weights"]))
     return target
 
 
@@ -90,8 +90,9 @@ def test_build_writes_shards_features_manifest_and_heldout(built, default_target
     assert m["layers"][-1] == default_target.config.num_layers and m["hidden_size"] == 576
     assert m["generation_tokens_per_s"] > 0
     assert m["generation"]["drafter"] == "ngram"
-    # the weights an engine built here serves (auto); the caller's target is left float32
-    assert m["generation"]["weights"] == ("bfloat16" if amx_available() else "float32")
+    # the weights an engine built here serves (auto: the fastest of float32 or bf16 with AMX, and
+    # the default target's exact int4 (recorded as float32) or w4a8); the caller's target is left
+    assert m["generation"]["weights"] in ("float32", "w4a8") + (("bfloat16",) if amx_available() else ())
     assert default_target.model.weights == "float32"
     held = load_prompts(out / "heldout.jsonl")
     assert sorted(r["domain"] for r in held) == list(DOMAINS)
@@ -195,10 +196,10 @@ def test_another_target_or_setting_is_refused(built, default_target, tmp_path):
     (out / "manifest.json").write_text(json.dumps({**m, "target_hash": "0" * 64}))
     with pytest.raises(ValueError, match="target_hash.*delete the folder"):
         build(default_target, out, **SETTINGS)
-    # a folder from before the weights key was made with float32 weights
+    # a folder from before the weights key was made with float32 weights: `auto` resumes it so,
+    # as it resumes any folder with the weights it was made with; other weights are refused
     m["generation"].pop("weights")
     (out / "manifest.json").write_text(json.dumps(m))
-    if amx_available():
-        with pytest.raises(ValueError, match="generation.weights"):
-            build(default_target, out, **SETTINGS)
-    assert build(default_target, out, **SETTINGS, weights="float32")["shards"] == m["shards"]
+    with pytest.raises(ValueError, match="generation.weights"):
+        build(default_target, out, **SETTINGS, weights="w4a8")
+    assert build(default_target, out, **SETTINGS)["shards"] == m["shards"]

@@ -224,6 +224,10 @@ def build(target: Target, out_dir, counts: dict[str, int], heldout: int, max_tok
 
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    made = out / "manifest.json"
+    if weights == "auto" and made.exists():  # a rerun resumes with the weights the folder was made
+        # with, rather than with a new measurement's pick (near-equal options can trade places)
+        weights = json.loads(made.read_text()).get("generation", {}).get("weights", GENERATION_BEFORE["weights"])
     choice = choose_weights(target.model, weights)
     dtype = choice["dtype"]
     if dtype != target.model.weights:

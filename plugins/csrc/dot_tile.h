@@ -13,10 +13,11 @@
 // nibbles are weights 0-15 of both blocks and the high nibbles weights 16-31 of both. x is
 // stored in that order ("paired"): for each pair, x[g][0:16] x[g+1][0:16], then x[g][16:32]
 // x[g+1][16:32]; its scales as [d_g] * 4 + [d_g+1] * 4. An odd last block is stored plainly,
-// its scale 8 times.
+// its scale 8 times. The weights' scales and minima are float16 (F16C: every AVX2 CPU has it).
 #pragma once
 #include <immintrin.h>
 #include <stdint.h>
+#include <string.h>
 
 namespace {
 
@@ -96,7 +97,7 @@ inline void quantize_rows(const float* x, int64_t n, int64_t in, int bits, int8_
 // R rows of x (quantized) against C weight rows starting at o.
 template <int Bits, int R, int C>
 inline void dot_tile(const int8_t* xq, const float* d, const float* ds, const uint8_t* q,
-                     const float* scale, const float* offset, float* y, int64_t in, int64_t out,
+                     const uint16_t* scale, const uint16_t* offset, float* y, int64_t in, int64_t out,
                      int64_t o) {
   const int64_t blocks = in / kBlock, stride = scale_stride(Bits, blocks);
   const __m256i ones = _mm256_set1_epi16(1);
@@ -108,7 +109,7 @@ inline void dot_tile(const int8_t* xq, const float* d, const float* ds, const ui
       for (int c = 0; c < C; ++c) {
         const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (o + c) * in + g * kBlock));
         const __m256i aw = _mm256_sign_epi8(w, w);
-        const __m256 sv = _mm256_broadcast_ss(scale + (o + c) * blocks + g);
+        const __m256 sv = _mm256_set1_ps(_cvtsh_ss(scale[(o + c) * blocks + g]));
         for (int r = 0; r < R; ++r) {
           const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * in + g * kBlock));
           const __m256i p16 = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, w));
@@ -126,8 +127,9 @@ inline void dot_tile(const int8_t* xq, const float* d, const float* ds, const ui
       for (int c = 0; c < C; ++c) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (o + c) * (in / 2) + g * 16));
         const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-        const __m128 s2 = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(scale + (o + c) * blocks + g)));
-        const __m256 sv = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(s2), spread);
+        int32_t s2;
+        memcpy(&s2, scale + (o + c) * blocks + g, 4);
+        const __m256 sv = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128(s2))), spread);
         for (int r = 0; r < R; ++r) {
           const int8_t* xr = xq + r * in + g * kBlock;
           const __m256i p16 = _mm256_add_epi16(
@@ -142,7 +144,7 @@ inline void dot_tile(const int8_t* xq, const float* d, const float* ds, const ui
       for (int c = 0; c < C; ++c) {
         const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (o + c) * (in / 2) + g * 16));
         const __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low128), _mm_and_si128(v, low128));
-        const __m256 sv = _mm256_broadcast_ss(scale + (o + c) * blocks + g);
+        const __m256 sv = _mm256_set1_ps(_cvtsh_ss(scale[(o + c) * blocks + g]));
         for (int r = 0; r < R; ++r) {
           const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * in + g * kBlock));
           const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones));
@@ -155,13 +157,15 @@ inline void dot_tile(const int8_t* xq, const float* d, const float* ds, const ui
     for (int c = 0; c < C; ++c) {
       float s = hsum256(acc[r][c]);
       if constexpr (Bits == 4) {  // the minima: sum over blocks of offset * d * sum(xq)
-        const float* m = offset + (o + c) * blocks;
+        const uint16_t* m = offset + (o + c) * blocks;
         const float* t = ds + r * blocks;
         __m256 a = _mm256_setzero_ps();
         int64_t k = 0;
-        for (; k + 8 <= blocks; k += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(m + k), _mm256_loadu_ps(t + k), a);
+        for (; k + 8 <= blocks; k += 8)
+          a = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + k))),
+                              _mm256_loadu_ps(t + k), a);
         float u = hsum256(a);
-        for (; k < blocks; ++k) u = __builtin_fmaf(m[k], t[k], u);
+        for (; k < blocks; ++k) u = __builtin_fmaf(_cvtsh_ss(m[k]), t[k], u);
         s += u;
       }
       y[r * out + o + c] = s;
@@ -172,7 +176,7 @@ inline void dot_tile(const int8_t* xq, const float* d, const float* ds, const ui
 // time and the rest one by one.
 template <int Bits, int R, int C>
 inline void dot_blocks(const int8_t* xq, const float* d, const float* ds, const uint8_t* q,
-                       const float* scale, const float* offset, float* y, int64_t n, int64_t in,
+                       const uint16_t* scale, const uint16_t* offset, float* y, int64_t n, int64_t in,
                        int64_t out, int64_t b0, int64_t b1) {
   const int64_t blocks = in / kBlock, stride = scale_stride(Bits, blocks);
   for (int64_t b = b0; b < b1; ++b) {

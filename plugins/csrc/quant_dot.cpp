@@ -12,7 +12,7 @@ namespace {
 constexpr int kRows = 2, kCols = 4;  // 8 accumulators, 4 weight blocks, x and temporaries
 }
 
-// x float32 [n, in]; q int8 [out, in] (bits 8) or uint8 [out, in / 2] (bits 4); scale float32
+// x float32 [n, in]; q int8 [out, in] (bits 8) or uint8 [out, in / 2] (bits 4); scale float16
 // [out, in / 32]; offset (bits 4 only, required) like scale.
 torch::Tensor quant_dot_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
                                const std::optional<torch::Tensor>& offset, int64_t bits) {
@@ -25,13 +25,13 @@ torch::Tensor quant_dot_linear(const torch::Tensor& x, const torch::Tensor& q, c
   const int64_t n = x.size(0), in = x.size(1), out = q.size(0);
   TORCH_CHECK(q.size(1) * (bits == 8 ? 1 : 2) == in && in % kBlock == 0, "quant_dot_linear: q ",
               q.sizes(), " does not match x ", x.sizes(), " (rows of a multiple of 32 weights)");
-  TORCH_CHECK(scale.dtype() == torch::kFloat32 && scale.dim() == 2 && scale.size(0) == out &&
+  TORCH_CHECK(scale.dtype() == torch::kFloat16 && scale.dim() == 2 && scale.size(0) == out &&
                   scale.size(1) == in / kBlock,
-              "quant_dot_linear: scale must be float32 [out, in / 32], got ", scale.sizes());
+              "quant_dot_linear: scale must be float16 [out, in / 32], got ", scale.dtype(), " ", scale.sizes());
   torch::Tensor oc;
   if (offset) {
-    TORCH_CHECK(offset->sizes() == scale.sizes() && offset->dtype() == torch::kFloat32,
-                "quant_dot_linear: offset must be float32 like scale ", scale.sizes());
+    TORCH_CHECK(offset->sizes() == scale.sizes() && offset->dtype() == torch::kFloat16,
+                "quant_dot_linear: offset must be float16 like scale ", scale.sizes());
     oc = offset->contiguous();
   }
   auto xc = x.contiguous();
@@ -49,8 +49,8 @@ torch::Tensor quant_dot_linear(const torch::Tensor& x, const torch::Tensor& q, c
   float* dsp = bits == 4 ? dp + n * stride : nullptr;
   const float* xp = xc.data_ptr<float>();
   const uint8_t* qp = static_cast<const uint8_t*>(qc.data_ptr());
-  const float* sp = sc.data_ptr<float>();
-  const float* op = offset ? oc.data_ptr<float>() : nullptr;
+  const uint16_t* sp = static_cast<const uint16_t*>(sc.data_ptr());
+  const uint16_t* op = offset ? static_cast<const uint16_t*>(oc.data_ptr()) : nullptr;
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, n, 64, [&](int64_t r0, int64_t r1) {
     quantize_rows(xp + r0 * in, r1 - r0, in, bits, xqp + r0 * in, dp + r0 * stride,
