@@ -106,6 +106,8 @@ inline void dot_tile(const int8_t* xq, const float* d, const float* ds, const ui
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
   if constexpr (Bits == 8) {
     for (int64_t g = 0; g < blocks; ++g) {
+      if ((g & 1) == 0)  // the next C rows' cache line at this column (the prefetcher lags)
+        for (int c = 0; c < C; ++c) _mm_prefetch(reinterpret_cast<const char*>(q + (o + c + C) * in + g * kBlock), _MM_HINT_T0);
       for (int c = 0; c < C; ++c) {
         const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (o + c) * in + g * kBlock));
         const __m256i aw = _mm256_sign_epi8(w, w);
@@ -124,6 +126,8 @@ inline void dot_tile(const int8_t* xq, const float* d, const float* ds, const ui
     const __m256i spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
     int64_t g = 0;
     for (; g + 2 <= blocks; g += 2) {
+      if ((g & 3) == 0)  // the next C rows' cache line at this column (the prefetcher lags)
+        for (int c = 0; c < C; ++c) _mm_prefetch(reinterpret_cast<const char*>(q + (o + c + C) * (in / 2) + g * 16), _MM_HINT_T0);
       for (int c = 0; c < C; ++c) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (o + c) * (in / 2) + g * 16));
         const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
