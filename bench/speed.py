@@ -10,6 +10,7 @@ own token at each position is drawn with a uniform keyed by seed and position).
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import os
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
+from angelspec.bench.gguf import FORMATS, write_gguf
 from angelspec.checkpoint import Target, load_target
 from angelspec.default_target import gguf_folder
 from angelspec.model import Segment
@@ -141,18 +143,19 @@ class HFRunner:
 
 
 class LlamaCppRunner:
-    """llama.cpp (llama-cpp-python) on the GGUF the target was converted from: the CPU runtime a
-    user would pick instead. Greedy, batch 1, the same chat-encoded token ids, as many threads as
-    torch uses. Its numerics differ from ours (its own kernels, the Q4_1 weights themselves), so
-    its output is compared, not required to match."""
+    """llama.cpp (llama-cpp-python) on the GGUF the target was converted from, or on one written
+    for it (gguf_of): the CPU runtime a user would pick instead. Greedy, batch 1, the same
+    chat-encoded token ids, as many threads as torch uses. Its numerics differ from ours (its own
+    kernels, its own rounding of the activations), so its output is compared, not required to
+    match."""
 
     def __init__(self, target: Target):
-        gguf = gguf_of(target)
         try:
             from llama_cpp import Llama
         except ImportError as exc:
             raise ValueError("llamacpp needs llama-cpp-python: `make llamacpp` (builds llama.cpp, "
                              "~10 min on 2 cores)") from exc
+        gguf = gguf_of(target)
         self.model = Llama(model_path=str(gguf), n_ctx=4096, n_threads=torch.get_num_threads(),
                            n_batch=512, verbose=False)
         self.eos = set(target.eos_ids)
@@ -172,15 +175,28 @@ class LlamaCppRunner:
             run.add(domain, time.perf_counter() - t0, 0.0, len(out))
 
 
+GGUF_DIR = pathlib.Path("build/gguf")  # GGUFs bench writes for targets not converted from one
+
+
 def gguf_of(target: Target) -> pathlib.Path:
-    """The GGUF a converted target came from (angelspec_source.json), or a precise error."""
+    """The GGUF a converted target came from (angelspec_source.json: the default target's), or
+    else the target written as one (bench/gguf.py) in the format of the weights its engine
+    serves, once, under build/gguf/ (keyed by the checkpoint's path, files and weights)."""
     src = target.path / "angelspec_source.json"
     name = json.loads(src.read_text()).get("gguf") if src.exists() else None
-    if not name:
-        raise ValueError(f"llamacpp runs the GGUF a target was converted from; {target.path} was not "
-                         "converted from one (the default target is): convert it with llama.cpp's "
-                         "convert_hf_to_gguf.py and bench that file with llama.cpp directly")
-    return gguf_folder() / name
+    if name:
+        return gguf_folder() / name
+    weights = target.model.weights
+    files = sorted(target.path.glob("*.safetensors")) + sorted(target.path.glob("*.json"))
+    key = hashlib.sha256(str(target.path.resolve()).encode())
+    for f in files:
+        key.update(f"{f.name} {f.stat().st_size} {f.stat().st_mtime_ns}".encode())
+    out = GGUF_DIR / f"{target.path.resolve().name}-{key.hexdigest()[:12]}-{weights}.gguf"
+    if not out.exists():
+        print(f"angelspec bench: writing {out} for llama.cpp ({weights} weights as "
+              f"{FORMATS.get(weights, ('?',))[0].name})", file=sys.stderr)
+        write_gguf(target, weights, out)
+    return out
 
 
 def first_difference(ref: list[int], out: list[int]) -> int:

@@ -1,10 +1,12 @@
 """The real default target: tokenizer, logits vs transformers, and the CLI end to end."""
+import itertools
 import json
 import subprocess
 import sys
 
 import pytest
 import torch
+from conftest import tiny_target
 
 from angelspec.default_target import GGUF_FILE, check_tokenizer, gguf_folder
 from angelspec.model import Segment
@@ -98,17 +100,38 @@ def test_auto_weights_measure_int4_only_where_it_gives_back_the_checkpoint(defau
     assert choose_weights(tiny.model, "int4")["exact"] is False
 
 
-def test_llamacpp_reference_runs_the_gguf_or_says_how_to_get_it(default_target, tiny):
+def test_llamacpp_reference_runs_the_gguf_or_says_how_to_get_it(default_target, tiny, tmp_path,
+                                                                monkeypatch):
     """With llama-cpp-python installed (make llamacpp) bench times it on the GGUF and reports how
-    far its greedy tokens follow ours; without it, or for a target not converted from a GGUF,
-    the error says what to do."""
+    far its greedy tokens follow ours; a target not converted from a GGUF is written as one in
+    its engine's weight format (bench/gguf.py; llama.cpp on the default target written so gives
+    the very tokens of its own GGUF); without llama-cpp-python the error says what to do."""
+    import dataclasses
+
+    from gguf import GGMLQuantizationType as Q
+    from gguf import GGUFReader
+
+    import angelspec.bench.speed as speed
+    from angelspec.bench.gguf import write_gguf
     from angelspec.bench.speed import agreement, bench, gguf_of
 
     assert agreement([1, 2, 3, 4], [1, 2, 9]) == 0.5 and agreement([5], [5]) == 1.0
     prompts = [{"prompt": "What is 2 + 2?", "domain": "math"}]
-    with pytest.raises(ValueError, match="convert_hf_to_gguf"):
-        gguf_of(tiny)
     assert gguf_of(default_target).name == GGUF_FILE
+    monkeypatch.setattr(speed, "GGUF_DIR", tmp_path)
+    cfg = tiny.config
+    for weights, layer, edge in (("float32", Q.F32, Q.F32), ("w4a8", Q.Q4_1, Q.Q8_0)):
+        t = tiny if weights == "float32" else dataclasses.replace(tiny, model=tiny.model.served_as(weights))
+        f = gguf_of(t)
+        assert f.parent == tmp_path and weights in f.name and gguf_of(t) == f  # written once
+        r = GGUFReader(str(f))
+        types = {x.name: x.tensor_type for x in r.tensors}
+        assert len(types) == 2 + 9 * cfg.num_layers  # tied: no output.weight
+        assert types["blk.0.attn_q.weight"] == layer and types["token_embd.weight"] == edge
+        assert types["blk.0.attn_norm.weight"] == Q.F32
+        assert int(r.fields["llama.block_count"].parts[-1][0]) == cfg.num_layers
+    with pytest.raises(ValueError, match="convert_hf_to_gguf"):
+        gguf_of(tiny_target(tmp_path / "qwen2", arch="qwen2"))
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
@@ -119,6 +142,29 @@ def test_llamacpp_reference_runs_the_gguf_or_says_how_to_get_it(default_target, 
     row = next(r for r in res["results"] if r["drafter"] == "llamacpp" and r["domain"] == "all")
     assert row["tokens_per_s"] > 0 and row["lossless"] is None and 0 <= row["token_agreement"] <= 1
     assert row["same_as_ar"] in (0, 1) and row["mean_accept_len"] is None
+    ids = default_target.encode_chat("Write a Python function that reverses a string.")
+    greedy = []
+    for f in (gguf_folder() / GGUF_FILE, write_gguf(default_target, "int4", tmp_path / "ours.gguf")):
+        m = llama_cpp.Llama(model_path=str(f), n_ctx=512, n_threads=2, verbose=False)
+        greedy.append(list(itertools.islice(m.generate(ids, top_k=1, temp=0.0, repeat_penalty=1.0), 24)))
+    assert greedy[0] == greedy[1]
+
+
+def test_gguf_rotary_rows_carry_rotate_half_rope_to_the_interleaved_one():
+    """bench/gguf.py permutes q / k rows so that llama.cpp's interleaved RoPE (pairs 2i, 2i+1) on
+    the permuted projection equals Hugging Face's rotate-half RoPE (pairs i, i + d/2) on ours."""
+    from angelspec.bench.gguf import rotary_rows
+
+    heads, d, hidden, pos = 3, 8, 16, 5.0
+    w, x = torch.randn(heads * d, hidden), torch.randn(hidden)
+    ang = pos * 10000.0 ** (-torch.arange(0, d, 2) / d)
+    cos, sin = ang.cos(), ang.sin()
+    q = (w @ x).view(heads, d)
+    a, b = q[:, : d // 2], q[:, d // 2:]
+    hf = torch.cat([a * cos - b * sin, b * cos + a * sin], dim=1)  # rotate-half
+    p = (rotary_rows(w, heads) @ x).view(heads, d // 2, 2)
+    gptj = torch.stack([p[..., 0] * cos - p[..., 1] * sin, p[..., 1] * cos + p[..., 0] * sin], dim=2)
+    assert torch.allclose(gptj.view(heads, d), rotary_rows(hf.reshape(-1, 1), heads).view(heads, d), atol=1e-5)
 
 
 def test_generate_cli_errors_are_clear(default_target):
