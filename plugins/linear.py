@@ -107,23 +107,20 @@ def quantize(w: torch.Tensor, scheme: str) -> QuantWeight:
         raise ValueError(f"{scheme}: rows of a multiple of {GROUP} weights expected, got {tuple(w.shape)}")
     out, cols = w.shape
     g = w.float().reshape(out, -1, GROUP)
-    tiny = torch.finfo(torch.float32).tiny
     a8 = scheme in ("w8a8", "w4a8")
-    # float16 scales and minima (a8): rounded first, then the weights to their levels
-    stored = (lambda t: t.half().float()) if a8 else (lambda t: t)  # noqa: E731
-    if a8:
-        tiny = 2.0 ** -24  # float16's smallest step
+    # a8: float16 scales and minima, rounded before the weights are rounded to their levels
+    dtype = torch.float16 if a8 else torch.float32
+    tiny = 2.0 ** -24 if a8 else torch.finfo(torch.float32).tiny  # the smallest usable scale
+    stored = lambda t: t.to(dtype).float()  # noqa: E731
     if WEIGHT_BITS[scheme] == 8:
         scale = stored((g.abs().amax(2) / 127).clamp_min(tiny))
         q = torch.round(g / scale[..., None]).clamp(-127, 127)
-        return QuantWeight(q.to(torch.int8).view(out, cols).contiguous(),
-                           scale.to(torch.float16 if a8 else torch.float32).contiguous(), 8,
+        return QuantWeight(q.to(torch.int8).view(out, cols).contiguous(), scale.to(dtype).contiguous(), 8,
                            int8_activations=a8)
     low = stored(g.amin(2))
     scale = stored(((g.amax(2) - low) / 15).clamp_min(tiny))
     q = torch.round((g - low[..., None]) / scale[..., None]).clamp(0, 15)
     u = q.to(torch.uint8).view(out, -1, 2, 16)
-    dtype = torch.float16 if a8 else torch.float32
     return QuantWeight((u[:, :, 0] | (u[:, :, 1] << 4)).reshape(out, -1).contiguous(),
                        scale.to(dtype).contiguous(), 4, low.to(dtype).contiguous(), a8)
 

@@ -108,8 +108,8 @@ def test_quantize_rounds_each_weight_to_its_groups_nearest_level(scheme):
 @pytest.mark.parametrize("scheme", ["int8", "int4", "w8a8", "w4a8"])
 def test_quantized_model_serves_losslessly_against_itself(tmp_path, scheme):
     """Greedy speculative decoding (chains, trees, D-cut on and off, batch 1 and 3) equals the
-    quantized model's own batch-1 decoding, a prompt longer than the row-exact kernels (BLAS on
-    the dequantized weights) included; seeded samples repeat; a quarter / a fifth of the bytes."""
+    quantized model's own batch-1 decoding, a prompt longer than the row-exact kernels (int8 /
+    int4: BLAS on the dequantized weights) included; seeded samples repeat; a quarter / a fifth of the bytes."""
     target = tiny_target(tmp_path, vocab_size=96, eos_token_id=95)
     m = target.model
     bytes32 = m.weight_bytes()
