@@ -48,7 +48,7 @@ def test_quant_dot_linear_is_int8_activations_times_the_weights_row_exact(scheme
     the dequantized weights up to float32 accumulation, and each row rounds alike whatever the
     rows around it (1, 2, odd counts, more than SKINNY_MAX_ROWS)."""
     g = torch.Generator().manual_seed(2)
-    for out_f, in_f in [(577, 64), (48, 576), (7, 1536)]:
+    for out_f, in_f in [(577, 64), (48, 576), (7, 1536), (9, 96)]:  # 96: an odd last block
         w = ops.quantize(torch.randn(out_f, in_f, generator=g), scheme)
         assert w.int8_activations and w.bits == (8 if scheme == "w8a8" else 4)
         x = torch.randn(133, in_f, generator=g) * torch.rand(133, 1, generator=g) * 4
