@@ -33,7 +33,7 @@ from angelspec.plugins import (
 )
 from angelspec.plugins.decoder_layer import decoder_layer
 from angelspec.plugins.decoder_layer import prepare as prepare_layer
-from angelspec.plugins.linear import SCHEMES
+from angelspec.plugins.linear import SCHEMES, WITH_INT8_ACTIVATIONS
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -270,7 +270,8 @@ class Llama:
         if self.weights != "float32":
             raise RuntimeError(f"cannot quantize {self.weights} weights: start from float32")
         pack = lambda w, s=scheme: quantize(w, s) if can_quantize(w) else w  # noqa: E731
-        self.head_w = pack(self.lm_head, "w8a8" if scheme in ("w8a8", "w4a8") else "int8")
+        self.head_w = pack(self.lm_head, WITH_INT8_ACTIVATIONS["int8"] if scheme in WITH_INT8_ACTIVATIONS.values()
+                           else "int8")
         for layer in self.layers:
             for k in self.MATMULS:
                 layer[k] = pack(layer[k])

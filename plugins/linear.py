@@ -47,7 +47,8 @@ def pack_bf16(w: torch.Tensor) -> torch.Tensor:
 
 
 GROUP = 32  # input weights per scale (and offset): llama.cpp's Q8_0 / Q4_1 blocks
-SCHEMES = ("int8", "int4", "w8a8", "w4a8")
+WITH_INT8_ACTIVATIONS = {"int8": "w8a8", "int4": "w4a8"}  # the same weights, llama.cpp's arithmetic
+SCHEMES = (*WITH_INT8_ACTIVATIONS, *WITH_INT8_ACTIVATIONS.values())
 WEIGHT_BITS = {"int8": 8, "int4": 4, "w8a8": 8, "w4a8": 4}
 
 
@@ -107,7 +108,7 @@ def quantize(w: torch.Tensor, scheme: str) -> QuantWeight:
         raise ValueError(f"{scheme}: rows of a multiple of {GROUP} weights expected, got {tuple(w.shape)}")
     out, cols = w.shape
     g = w.float().reshape(out, -1, GROUP)
-    a8 = scheme in ("w8a8", "w4a8")
+    a8 = scheme in WITH_INT8_ACTIVATIONS.values()
     # a8: float16 scales and minima, rounded before the weights are rounded to their levels
     dtype = torch.float16 if a8 else torch.float32
     tiny = 2.0 ** -24 if a8 else torch.finfo(torch.float32).tiny  # the smallest usable scale

@@ -10,7 +10,7 @@ import torch
 
 from angelspec.model import Llama, Segment
 from angelspec.plugins import amx_available, can_quantize, quantize
-from angelspec.plugins.linear import SCHEMES, WEIGHT_BITS
+from angelspec.plugins.linear import SCHEMES, WEIGHT_BITS, WITH_INT8_ACTIVATIONS
 
 BACKENDS = ("eager", "inductor")
 
@@ -27,7 +27,6 @@ def use_backend(model: Llama, backend: str) -> None:
 
 
 WEIGHTS = ("auto", "float32", "bfloat16") + SCHEMES
-WITH_INT8_ACTIVATIONS = {"int8": "w8a8", "int4": "w4a8"}  # the same weights, llama.cpp's arithmetic
 
 
 def decode_ms(model: Llama, context: int = 256, reps: int = 9) -> float:
