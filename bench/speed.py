@@ -28,7 +28,7 @@ from angelspec.bench.gguf import FORMATS, write_gguf
 from angelspec.checkpoint import Target, load_target
 from angelspec.default_target import gguf_folder
 from angelspec.model import Segment
-from angelspec.runtime import Engine, Request, SamplingParams
+from angelspec.runtime import Engine, Request, SamplingParams, settle_heap
 from angelspec.runtime.cost import profile
 from angelspec.runtime.engine_dir import load_engine
 
@@ -307,6 +307,7 @@ def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_t
         if d not in REFERENCES:
             engine.drafter_key(d)  # unknown drafters and unfit drafts fail before any work
     run_engine_chunk(engine, Run("ar", len(ids)), ids, [0], "warm-up", 8)
+    settle_heap()
     # the bandwidth reference is sampled before every batch, under the same conditions as the
     # decoding it is compared with (this machine's speed drifts), and its median is reported
     stream_buf, samples = torch.ones(2**28), []

@@ -8,6 +8,7 @@ from test_lossless import NoisyOracle, autoregressive, prompts
 
 from angelspec.drafters import Drafter, Proposal
 from angelspec.runtime import Engine, Request, SamplingParams
+from angelspec.runtime.calibration import Calibration
 from angelspec.runtime.cost import CostTable, fingerprint, profile
 from angelspec.runtime.gate import DraftGate
 from angelspec.runtime.router import DomainClassifier, DrafterEvidence, Router, RouteState, contenders
@@ -75,6 +76,44 @@ def test_gate_never_benches_a_drafter_that_costs_next_to_nothing():
         gate.observe("slow", 2, seconds=0.02, kept=6, accepted=0)  # 10 ms, nothing accepted
     names = ["ngram", "ngram", "slow", "slow"]
     assert gate.plan(1, names, 0.001) == ["ngram", "ngram", "none", "none"]
+
+
+def test_gate_sits_out_a_cheap_drafter_whose_tokens_dcut_never_keeps():
+    """None of its drafts verified (16 requests on a 2-core CPU, where a verified token costs
+    nearly what it can bring): its drafting is all it adds, so it sits out and probes like any
+    other drafter, and drafts again once D-cut keeps a probe's tokens."""
+    gate = DraftGate(lambda n: 0.03 + 0.001 * n)
+    for _ in range(10):
+        gate.observe("ngram", 16, seconds=0.0008, kept=0, accepted=0)
+    names = ["ngram"] * 16
+    assert gate.plan(1, names, 0.001) == ["none"] * 16
+    assert gate.plan(2, names, 0.001) == ["ngram"] + ["none"] * 15  # one request probes
+    gate.observe("ngram", 1, seconds=0.00005, kept=3, accepted=2)
+    assert gate.plan(3, names, 0.001) == names
+
+
+def test_calibration_scales_confidences_to_the_acceptance_dcut_saw():
+    """Per drafter and depth, confidence x (accepted + prior) / (confidence + prior), over the
+    verified tokens whose parent was accepted; at most 1; a depth never judged keeps factor 1."""
+    cal = Calibration()
+    chain = Proposal(torch.tensor([5, 6, 7]), torch.tensor([0.9, 0.9, 0.9]))
+    assert torch.equal(cal.apply("ngram", chain), chain.confidence.double())  # nothing seen yet
+    for _ in range(200):  # the first token accepted half the time, the second never
+        cal.observe("ngram", chain, [0])
+        cal.observe("ngram", chain, [])
+    c = cal.apply("ngram", chain).tolist()
+    assert abs(c[0] - 0.5) < 0.05 and c[1] < 0.05  # the 2nd judged only after the 1st passed
+    assert c[2] == pytest.approx(0.9)  # never judged: its parent was never accepted
+    assert torch.equal(cal.apply("mtp", chain), chain.confidence.double())  # per drafter
+    shy = Proposal(torch.tensor([5]), torch.tensor([0.5]))
+    for _ in range(300):  # an under-confident drafter is read higher, at most 1
+        cal.observe("shy", shy, [0])
+    assert cal.apply("shy", shy).item() > 0.95
+    assert cal.apply("shy", Proposal(torch.tensor([5]), torch.tensor([0.9]))).item() == 1.0
+    tree = Proposal(torch.tensor([5, 6, 8]), torch.tensor([0.9, 0.9, 0.5]), torch.tensor([-1, 0, -1]))
+    assert tree.depths() == [1, 2, 1]
+    c = cal.apply("ngram", tree).tolist()  # by depth: the sibling reads depth 1's factor
+    assert c[2] == pytest.approx(0.5 * c[0] / 0.9) and c[1] < 0.05
 
 
 def test_a_request_on_its_last_token_does_not_draft(tiny):

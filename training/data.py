@@ -42,7 +42,7 @@ from angelspec.drafters import Drafter, make_drafter
 from angelspec.drafters.target_layers import training_layers
 from angelspec.prompts import DOMAINS, read_jsonl
 from angelspec.runtime.backend import WEIGHTS, choose_weights
-from angelspec.runtime.engine import Engine, Request
+from angelspec.runtime.engine import Engine, Request, settle_heap
 from angelspec.sampling import SamplingParams
 from angelspec.training.sources import HELDOUT_EVERY, held_out
 from angelspec.training.sources import prompts as draw_prompts
@@ -130,6 +130,7 @@ def _generate(target, chunks, todo, gen, layers, batch_size, max_len, shard_size
     last request finishes."""
     recorder = FeatureRecorder(make_drafter(gen["drafter"], None, target), layers)
     engine = Engine(target, max_batch=batch_size, max_len=max_len, drafters={"record": recorder})
+    settle_heap()
     reqs, owner = [], []
     for k in todo:
         for i, r in enumerate(chunks[k]):

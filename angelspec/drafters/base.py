@@ -86,12 +86,16 @@ class Proposal:
 
     def depth(self) -> int:
         """Tokens on the longest path (a chain: its length)."""
+        return len(self.tokens) if self.parents is None else max(self.depths(), default=0)
+
+    def depths(self) -> list[int]:
+        """Each token's depth: 1 for a child of the anchor."""
         if self.parents is None:
-            return len(self.tokens)
-        depth = []
+            return list(range(1, len(self.tokens) + 1))
+        depth: list[int] = []
         for p in self.parents.tolist():
             depth.append(1 + (depth[p] if p >= 0 else 0))
-        return max(depth, default=0)
+        return depth
 
     def matched(self, continuation: list[int]) -> int:
         """The accept length had the target continued with `continuation`: the depth of the

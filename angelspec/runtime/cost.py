@@ -14,11 +14,14 @@ import torch
 
 from angelspec.model import Segment
 from angelspec.plugins import SKINNY_MAX_ROWS
+from angelspec.plugins.build import sources_hash
 
 
 def fingerprint(backend: str = "eager", weights: str = "float32") -> dict:
     """What the cost of a forward depends on: CPU model, cores, torch version and threads,
-    backend, and the dtype of the matmul weights."""
+    backend, the dtype of the matmul weights, and the kernels' sources (a kernel that changed,
+    fused layers for one, changes the cost of a verified token: a profile made with the old ones
+    misleads D-cut)."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -29,7 +32,7 @@ def fingerprint(backend: str = "eager", weights: str = "float32") -> dict:
         cpu += " + " + torch.cuda.get_device_name(0)
     return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
             "threads": torch.get_num_threads(), "backend": backend,
-            "weights": weights}
+            "weights": weights, "kernels": sources_hash()[:16]}
 
 
 BATCHES = (1, 2, 4, 8, 16)  # requests per forward with a curve of their own

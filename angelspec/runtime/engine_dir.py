@@ -30,7 +30,7 @@ from angelspec.runtime.router import DomainClassifier, Router
 def load_engine(path: str | pathlib.Path, max_batch: int = 8, max_len: int = DEFAULT_MAX_LEN,
                 dcut: bool | None = None, verify: bool = True, target=None):
     """An Engine serving the folder's target, drafts, router, backend and D-cut profile. The cost
-    table is re-profiled when this machine's fingerprint differs from the build machine's.
+    table is re-profiled when this machine's fingerprint (kernels included) differs from the build's.
     `target`: the folder's target, if the caller has already loaded it (<path>/target)."""
     path = pathlib.Path(path)
     manifest = read_manifest(path, verify)
@@ -51,7 +51,7 @@ def load_engine(path: str | pathlib.Path, max_batch: int = 8, max_len: int = DEF
     here = fingerprint(backend, target.model.weights)
     if cost.fingerprint != here:
         changed = {k: (cost.fingerprint.get(k), v) for k, v in here.items() if cost.fingerprint.get(k) != v}
-        print(f"angelspec: this machine differs from the build machine ({changed}); "
+        print(f"angelspec: this machine or its kernels differ from the build's ({changed}); "
               "re-profiling the verification cost for D-cut", file=sys.stderr)
         cost = profile(target.model, max_tokens=cost.n[-1], backend=backend)
     router = None

@@ -14,17 +14,22 @@ up, one of its requests drafts as a probe and refreshes the estimates. Skipping 
 always lossless: a request that does not draft gets its next token from the verification
 forward, exactly as `none`. Only used with D-cut (D-cut off means fixed draft lengths).
 
-A drafter whose drafting costs at most CHEAP of the step (ngram: ~50 us a request) always
-drafts: there is at most CHEAP of the step to save, and what its drafts cost to verify is D-cut's
-call, made on each draft's own confidence. Judged by running estimates instead, a run of failed
-copies would bench it while its matches go unused: its probes are single requests whose accepted
-length is mostly 0 or a whole copy, so the estimate recovers slowly while the backoff doubles.
+A drafter whose drafting costs at most CHEAP of the step (ngram: ~50 us a request) drafts as
+long as D-cut keeps some of its tokens (at least KEPT a request, on average): what its drafts
+cost to verify is D-cut's call, made on each draft's own confidence. Judged by running estimates
+of what it brings instead, a run of failed copies would bench it while its matches go unused:
+its probes are single requests whose accepted length is mostly 0 or a whole copy, so the
+estimate recovers slowly while the backoff doubles. But when D-cut keeps none of its tokens
+(many requests in flight on a CPU, where a verified token costs nearly what it can bring), its
+drafting and the step's handling of drafts are all it adds (~3% of the step with 16 requests in
+flight on a 2-core CPU), so it sits out like any other drafter, and its probes ask D-cut again.
 """
 from __future__ import annotations
 
 MAX_BACKOFF = 32
 EMA = 0.3  # weight of the newest observation
-CHEAP = 0.05  # drafting below this fraction of the step's time is never skipped
+CHEAP = 0.05  # drafting below this fraction of the step's time is not judged by what it brings
+KEPT = 0.05  # while D-cut keeps at least this many of its tokens a request (running average)
 
 
 class DraftGate:
@@ -60,7 +65,7 @@ class DraftGate:
             t, k, a = self.est[g]
             n = len(idx)
             add_s = n * t + cost(B + kept + n * k) - cost(B + kept)
-            if n * t <= CHEAP * seconds or (tokens + n * a) * seconds > tokens * (seconds + add_s):
+            if (n * t <= CHEAP * seconds and k >= KEPT) or (tokens + n * a) * seconds > tokens * (seconds + add_s):
                 tokens, seconds, kept = tokens + n * a, seconds + add_s, kept + n * k
                 self.backoff[g] = 1
             else:

@@ -34,8 +34,9 @@ def speculative_step(engine, active: list[RequestState]) -> Committed:
             return failed
     hooks.shadow(active)
     t_draft = time.perf_counter() - t_start
-    # 2. D-cut: the batch's likeliest draft tokens (by survival), against the verification cost
-    props = cut(engine, props, t_draft, hooks.t_fixed(len(active)))
+    # 2. D-cut: the batch's likeliest draft tokens (by calibrated survival), against the
+    # verification cost
+    props = cut(engine, props, names, t_draft, hooks.t_fixed(len(active)))
     # 3. verify: one forward over every request's [anchor + kept drafts] (chains or trees), packed
     tokens = torch.cat([t for s, p in zip(active, props) for t in (torch.tensor([s.tokens[-1]]), p.tokens)])
     segments = [Segment(s.slot, s.cache_len, 1 + len(p.tokens),
@@ -52,7 +53,9 @@ def speculative_step(engine, active: list[RequestState]) -> Committed:
     # 4. commit the accepted path + the bonus token (its KV entries moved into place, for a
     # tree); drafters see the target's hidden states of the path
     out, row = [], 0
-    for s, p, (accepted, new, path) in zip(active, props, verdicts):
+    for s, name, p, (accepted, new, path) in zip(active, names, props, verdicts):
+        if engine.dcut:
+            engine.calibration.observe(name, p, path)
         if path != list(range(accepted)):
             engine.cache.move(s.slot, [s.cache_len + 1 + i for i in path],
                               [s.cache_len + 1 + d for d in range(accepted)])
@@ -116,21 +119,23 @@ def propose(engine, active: list[RequestState], names: list[str],
     return [(p if trees else p.chain()).clip(room(engine, s)) for s, p in zip(active, props)], spent
 
 
-def cut(engine, props: list[Proposal], t_draft: float, t_fixed: float) -> list[Proposal]:
-    """D-cut over the batch's drafts (chains or trees); without it, only the row limit of the
-    lossless kernels, which drops the tokens least likely to survive."""
+def cut(engine, props: list[Proposal], names: list[str], t_draft: float, t_fixed: float) -> list[Proposal]:
+    """D-cut over the batch's drafts (chains or trees; names[i]: request i's drafter, whose
+    confidences it reads calibrated); without it, only the row limit of the lossless kernels,
+    which drops the tokens least likely to survive."""
     total = sum(len(p.tokens) for p in props)
     if not total:
         return props
     lengths = torch.tensor([len(p.tokens) for p in props], dtype=torch.long)
-    confidence = torch.cat([p.confidence for p in props]).double()
     parents = torch.cat([p.parent_index() for p in props])
     if engine.dcut:
+        confidence = torch.cat([engine.calibration.apply(n, p) for n, p in zip(names, props)])
         _, keep = dcut_select(confidence, lengths, parents, t_draft, t_fixed,
                               *engine.curve(len(props))[0], torch.tensor(RATIOS, dtype=torch.float64))
         engine.stats.dcut_drafted += total
         engine.stats.dcut_kept += int(keep.sum())
     else:
+        confidence = torch.cat([p.confidence for p in props]).double()
         keep = torch.ones(total, dtype=torch.bool)
     # one forward verifies at most SKINNY_MAX_ROWS tokens (row-exact kernels: lossless)
     room = SKINNY_MAX_ROWS - len(props)

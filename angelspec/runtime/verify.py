@@ -35,8 +35,8 @@ def verify_batch(logits: torch.Tensor, props: list[Proposal], params: list,
     for group in (greedy, sampled):
         if not group:
             continue
-        rows = [torch.arange(starts[i], starts[i] + lengths[i] + 1) for i in group]
-        part = logits if len(group) == len(props) else logits[torch.cat(rows)]
+        part = logits if len(group) == len(props) else logits[torch.cat(
+            [torch.arange(int(starts[i]), int(starts[i] + lengths[i]) + 1) for i in group])]
         draft = torch.cat([props[i].tokens for i in group]).long()
         parents = torch.cat([props[i].parent_index() for i in group]).long()
         if group is greedy:
