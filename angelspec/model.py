@@ -22,18 +22,15 @@ from angelspec.plugins import (
     SKINNY_MAX_ROWS,
     amx_available,
     cached_attention,
-    can_pack,
-    can_quantize,
     linear,
-    pack_bf16,
-    quantize,
     rms_norm,
     rope_,
+    served,
     silu_mul,
 )
 from angelspec.plugins.decoder_layer import decoder_layer
 from angelspec.plugins.decoder_layer import prepare as prepare_layer
-from angelspec.plugins.linear import SCHEMES, WITH_INT8_ACTIVATIONS
+from angelspec.plugins.linear import SCHEMES
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -246,11 +243,10 @@ class Llama:
         if not amx_available():
             raise RuntimeError("bf16 weights need a CPU with AMX-BF16 tiles (Intel Sapphire Rapids "
                                "or newer) and Linux 5.16+; serve float32 weights here")
-        pack = lambda w: pack_bf16(w) if can_pack(w) else w  # noqa: E731
-        self.head_w = pack(self.lm_head)
+        self.head_w = served(self.lm_head, "bfloat16", logits=True)
         for layer in self.layers:
             for k in self.MATMULS:
-                layer[k] = pack(layer[k])
+                layer[k] = served(layer[k], "bfloat16")
         self.weights = "bfloat16"
         self._prepared = None
 
@@ -269,12 +265,10 @@ class Llama:
             raise ValueError(f"unknown weight scheme {scheme!r} ({', '.join(SCHEMES)})")
         if self.weights != "float32":
             raise RuntimeError(f"cannot quantize {self.weights} weights: start from float32")
-        pack = lambda w, s=scheme: quantize(w, s) if can_quantize(w) else w  # noqa: E731
-        self.head_w = pack(self.lm_head, WITH_INT8_ACTIVATIONS["int8"] if scheme in WITH_INT8_ACTIVATIONS.values()
-                           else "int8")
+        self.head_w = served(self.lm_head, scheme, logits=True)
         for layer in self.layers:
             for k in self.MATMULS:
-                layer[k] = pack(layer[k])
+                layer[k] = served(layer[k], scheme)
         self.weights = scheme
         self._prepared = None
 

@@ -21,10 +21,11 @@ from angelspec.plugins.linear import (
                                       linear,
                                       pack_bf16,
                                       quantize,
+                                      served,
 )
 from angelspec.plugins.verify import verify_greedy, verify_rejection
 
 __all__ = ["cached_attention", "linear", "rms_norm", "rope_", "silu_mul", "SKINNY_MAX_ROWS",
            "verify_greedy", "verify_rejection", "dcut_select", "dfly_draft_head", "RATIOS",
            "interpolate_cost", "survival", "amx_available", "can_pack", "pack_bf16",
-           "QuantWeight", "can_quantize", "quantize"]
+           "QuantWeight", "can_quantize", "quantize", "served"]

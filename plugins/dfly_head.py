@@ -28,6 +28,15 @@ def dfly_draft_head(hidden: Tensor, anchor: Tensor, embed: Tensor, head_norm: Te
     indices per position. Each link is one product over the R rows (the weights read once).
     Returns (tokens [R, k, width] target ids, confidence [R, k, width] = the draft's probability
     of each): at each link the best `width` tokens, best first; the chain goes on with the best."""
+    return draft_head(hidden, anchor, embed, head_norm, prev_norm, gate, up, down, final_norm,
+                      lm_head, vocab_ids, eps, candidates, width)
+
+
+def draft_head(hidden, anchor, embed, head_norm, prev_norm, gate, up, down, final_norm, lm_head,
+               vocab_ids, eps, candidates=None, width=1):
+    """dfly_draft_head's computation, which a drafter calls directly: gate, up, down and (without
+    candidates) lm_head may be any weight `linear` takes (bf16 tiles, a QuantWeight), as the
+    engine serves its own."""
     r, k, h = hidden.shape
     tokens = torch.empty(r, k, width, dtype=torch.long)
     conf = torch.empty(r, k, width, dtype=hidden.dtype)

@@ -126,6 +126,19 @@ def quantize(w: torch.Tensor, scheme: str) -> QuantWeight:
                        scale.to(dtype).contiguous(), 4, low.to(dtype).contiguous(), a8)
 
 
+def served(w: torch.Tensor, weights: str, logits: bool = False):
+    """A float32 [out, in] matrix as an engine serving `weights` multiplies it: packed to bf16,
+    quantized by the scheme (a logits matrix by its 8-bit variant, as llama.cpp keeps its output
+    matrix), or w itself (float32, or a shape the format does not take)."""
+    if weights == "bfloat16":
+        return pack_bf16(w) if can_pack(w) else w
+    if weights in SCHEMES:
+        if logits:
+            weights = WITH_INT8_ACTIVATIONS["int8"] if weights in WITH_INT8_ACTIVATIONS.values() else "int8"
+        return quantize(w, weights) if can_quantize(w) else w
+    return w
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in], w [out, in] (float32, packed by pack_bf16, or a QuantWeight), b [out] or
     None -> [..., out]."""

@@ -9,10 +9,11 @@ from angelspec.checkpoint import CheckpointError, load_target
 from angelspec.drafters import make_drafter
 from angelspec.drafters.dfly import DFly
 from angelspec.drafters.draft_checkpoint import DraftConfig, load_draft, save_draft
-from angelspec.drafters.modules import Frozen
+from angelspec.drafters.modules import Frozen, Linear
 from angelspec.drafters.mtp import MTP
 from angelspec.drafters.target_layers import dfly_layers
 from angelspec.model import Segment
+from angelspec.plugins import QuantWeight
 from angelspec.runtime import Engine, Request, SamplingParams
 from angelspec.runtime.engine import RequestState
 from angelspec.training.objectives import accepted_at, block_hidden, greedy_chain, rollout, ttt_rollout, walk
@@ -223,6 +224,29 @@ def test_greedy_lossless_with_trained_drafters(target8, tmp_path, kind):
         out = eng.generate([Request(p, params, spec) for p in prompts])
         assert [r.tokens for r in out] == [r.tokens for r in ref], spec
         assert sum(r.stats.drafted for r in out) > 0
+
+
+@pytest.mark.parametrize("kind", ["mtp", "dfly"])
+def test_drafts_serve_in_the_engines_quantized_scheme_losslessly(target8, tmp_path, kind):
+    """On an engine serving w4a8 weights, a draft's matmuls (its layers, DFly's AR head, the draft
+    vocabulary's lm_head) run in the same scheme and kernels; the output stays the engine's own."""
+    cfg, model = draft(target8, kind, vocab=64)
+    save_draft(tmp_path / kind, cfg, model.state_dict())
+    target = load_target(target8.path, max_len=512)
+    target.model.serve("w4a8")
+    drafter = make_drafter(kind, None, target, tmp_path)
+    layers = [m for m in drafter.model.modules() if isinstance(m, Linear)]
+    assert layers and all(isinstance(m.served, QuantWeight) and m.served.int8_activations
+                          and m.served.bits == 4 for m in layers)
+    assert isinstance(drafter.frozen.head_mm, QuantWeight) and drafter.frozen.head_mm.bits == 8
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, 96, (n,), generator=g).tolist() for n in (4, 20)]
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    ref = Engine(target, max_batch=1, max_len=200).generate([Request(p, params, "none") for p in prompts])
+    eng = Engine(target, max_batch=2, max_len=200, drafts=str(tmp_path))
+    out = eng.generate([Request(p, params, kind) for p in prompts])
+    assert [r.tokens for r in out] == [r.tokens for r in ref]
+    assert sum(r.stats.drafted for r in out) > 0
 
 
 @pytest.mark.parametrize("kind", ["mtp", "dfly", "dflash"])

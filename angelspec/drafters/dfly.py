@@ -14,7 +14,7 @@ import torch.nn as nn
 from angelspec.drafters.base import Proposal
 from angelspec.drafters.modules import DecoderLayer, Linear, RMSNorm, SwiGLU, grouped
 from angelspec.drafters.trained import GrowingKV, TrainedDrafter
-from angelspec.plugins import dfly_draft_head
+from angelspec.plugins.dfly_head import draft_head
 
 
 def distance_prior(num_draft_layers: int, k: int, sharpness: float) -> torch.Tensor:
@@ -171,13 +171,13 @@ class DFlyDrafter(TrainedDrafter):
         """The AR head's chains over hidden [R, n, h] from anchors [R]: tokens, confidence
         [R, n, width] (the best `width` guesses per link; the first goes on)."""
         model, fz, ar = self.model, self.frozen, self.model.ar
-        # every link's product over the whole draft vocabulary reads the head in the engine's
-        # precision (bf16 tiles on an AMX engine: half the bytes); re-scoring gathers rows
+        # every link's products read the weights in the engine's precision and kernels (bf16
+        # tiles, a quantized scheme); re-scoring gathers float32 rows of the head
         head = fz.lm_head if cands is not None else fz.head_mm
-        return dfly_draft_head(
+        return draft_head(
             hidden.contiguous(), anchors, fz.embed, model.head_norm.weight, model.prev_norm.weight,
-            ar.gate.weight, ar.up.weight, ar.down.weight, fz.norm_w, head, fz.vocab_ids,
-            fz.eps, cands, width)
+            ar.gate.serving_weight, ar.up.serving_weight, ar.down.serving_weight, fz.norm_w, head,
+            fz.vocab_ids, fz.eps, cands, width)
 
 
 class DFlashDrafter(DFlyDrafter):

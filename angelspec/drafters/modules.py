@@ -7,15 +7,22 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from angelspec.plugins import can_pack, linear, pack_bf16
+from angelspec.plugins import linear, served
 
 
 class Linear(nn.Linear):
     """nn.Linear that serves through the skinny kernel (a draft forward has a few rows, where
-    the BLAS routine is slow on these CPUs) and trains through autograd as usual."""
+    the BLAS routine is slow on these CPUs) and trains through autograd as usual. `served`: the
+    weight as the engine serves its own (plugins.served: bf16 tiles, a quantized scheme), set
+    when a draft is loaded for serving."""
+    served = None
+
+    @property
+    def serving_weight(self):
+        return self.weight if self.served is None else self.served
 
     def forward(self, x):
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.serving_weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -99,14 +106,12 @@ class Frozen:
         self.cos, self.sin = model.cos, model.sin
         self.vocab_ids = vocab_ids.long()
         self.lm_head = model.lm_head[self.vocab_ids].contiguous()
-        # a target serving bf16 weights: the draft's logits use the same tiles, at half the bytes
-        # (over the whole vocabulary, the target's own packed lm_head)
+        # the draft's logits in the engine's precision (bf16 tiles, a quantized scheme: a half to
+        # a quarter of the bytes); over the whole vocabulary, the target's own served lm_head
         self.head_mm = self.lm_head
-        if getattr(model, "weights", "float32") == "bfloat16":
-            if torch.equal(self.vocab_ids, torch.arange(cfg.vocab_size)):
-                self.head_mm = model.head_w
-            elif can_pack(self.lm_head):
-                self.head_mm = pack_bf16(self.lm_head)
+        if getattr(model, "weights", "float32") != "float32":
+            full = torch.equal(self.vocab_ids, torch.arange(cfg.vocab_size))
+            self.head_mm = model.head_w if full else served(self.lm_head, model.weights, logits=True)
         # target id -> draft vocabulary index (-1: outside the draft vocabulary)
         self.index = torch.full((cfg.vocab_size,), -1, dtype=torch.long)
         self.index[self.vocab_ids] = torch.arange(len(self.vocab_ids))

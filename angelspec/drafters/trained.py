@@ -6,12 +6,11 @@ import dataclasses
 import pathlib
 
 import torch
-import torch.nn as nn
 
 from angelspec.drafters.base import Drafter, Proposal
 from angelspec.drafters.draft_checkpoint import DraftConfig, load_draft
-from angelspec.drafters.modules import Frozen
-from angelspec.plugins import can_pack, pack_bf16
+from angelspec.drafters.modules import Frozen, Linear
+from angelspec.plugins import served
 from angelspec.sampling import probs_from_logits
 
 
@@ -76,10 +75,12 @@ class TrainedDrafter(Drafter):
         vocab = self.model.vocab_ids if cfg.draft_vocab else torch.arange(cfg.vocab_size)
         self.frozen = Frozen(target.model, vocab)
         self.capture = tuple(cfg.target_layers)
-        if target.model.weights == "bfloat16":  # the engine's precision, on the same AMX tiles
+        # the engine's precision and kernels (bf16 tiles, a quantized scheme): the draft's
+        # numbers never change what is committed, only how fast it drafts
+        if target.model.weights != "float32":
             for m in self.model.modules():
-                if isinstance(m, nn.Linear) and can_pack(m.weight):
-                    m.weight = nn.Parameter(pack_bf16(m.weight.detach()), requires_grad=False)
+                if isinstance(m, Linear):
+                    m.served = served(m.weight.detach(), target.model.weights)
 
     def choose(self, logits: torch.Tensor, states: list, ids: torch.Tensor | None = None):
         """The best `branches` tokens [R, ..., branches] from draft logits [R, ..., m] of R
