@@ -28,6 +28,7 @@ from angelspec.plugins import (
     served,
     silu_mul,
 )
+from angelspec.plugins.attention import KEY_TILE, keys, kv_cache
 from angelspec.plugins.decoder_layer import decoder_layer
 from angelspec.plugins.decoder_layer import prepare as prepare_layer
 from angelspec.plugins.linear import SCHEMES
@@ -110,23 +111,27 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 class KVCache:
-    """Static cache, per layer: k [slots, kv_heads, head_dim, max_len] (transposed, so attention
-    scores a vector of keys per instruction without horizontal sums) and
-    v [slots, kv_heads, max_len, head_dim]."""
+    """Static cache, per layer: k and v as plugins.attention.kv_cache lays them out (keys in
+    transposed tiles of 16, values [slots, kv_heads, positions, head_dim])."""
 
     def __init__(self, cfg: ModelConfig, slots: int, max_len: int, dtype=torch.float32):
-        h, d = cfg.num_kv_heads, cfg.head_dim
-        self.k = [torch.zeros(slots, h, d, max_len, dtype=dtype) for _ in range(cfg.num_layers)]
-        self.v = [torch.zeros(slots, h, max_len, d, dtype=dtype) for _ in range(cfg.num_layers)]
+        pairs = [kv_cache(slots, cfg.num_kv_heads, cfg.head_dim, max_len, dtype)
+                 for _ in range(cfg.num_layers)]
+        self.k, self.v = [k for k, _ in pairs], [v for _, v in pairs]
         self.slots, self.max_len = slots, max_len
 
     def move(self, slot: int, src: list[int], dst: list[int]) -> None:
         """Copy the entries of positions src to positions dst in every layer (a token tree's
         accepted path, to where the chain of its tokens belongs)."""
         src, dst = torch.tensor(src), torch.tensor(dst)
+        st, sl, dt, dl = src // KEY_TILE, src % KEY_TILE, dst // KEY_TILE, dst % KEY_TILE
         for k, v in zip(self.k, self.v):
-            k[slot, :, :, dst] = k[slot, :, :, src]
+            k[slot, :, dt, :, dl] = k[slot, :, st, :, sl]
             v[slot, :, dst] = v[slot, :, src]
+
+    def keys(self, layer: int) -> torch.Tensor:
+        """Layer's keys as [slots, kv_heads, head_dim, positions] (a copy)."""
+        return keys(self.k[layer])
 
 
 @dataclass

@@ -8,7 +8,7 @@ System ops (PyTorch, one implementation of each rule): verify_greedy, verify_rej
 dcut_select, dfly_draft_head. Every op has a fake implementation (torch.compile / torch.export).
 """
 from angelspec.plugins import fakes  # noqa: F401  (registers the fake kernels)
-from angelspec.plugins.attention import cached_attention
+from angelspec.plugins.attention import cached_attention, keys, kv_cache
 from angelspec.plugins.dcut import RATIOS, dcut_select, interpolate_cost, survival
 from angelspec.plugins.dfly_head import dfly_draft_head
 from angelspec.plugins.layer_ops import rms_norm, rope_, silu_mul
@@ -25,7 +25,7 @@ from angelspec.plugins.linear import (
 )
 from angelspec.plugins.verify import verify_greedy, verify_rejection
 
-__all__ = ["cached_attention", "linear", "rms_norm", "rope_", "silu_mul", "SKINNY_MAX_ROWS",
+__all__ = ["cached_attention", "kv_cache", "keys", "linear", "rms_norm", "rope_", "silu_mul", "SKINNY_MAX_ROWS",
            "verify_greedy", "verify_rejection", "dcut_select", "dfly_draft_head", "RATIOS",
            "interpolate_cost", "survival", "amx_available", "can_pack", "pack_bf16",
            "QuantWeight", "can_quantize", "quantize", "served"]

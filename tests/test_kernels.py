@@ -19,7 +19,7 @@ for out_f, in_f in [(3072, 576), (577, 100), (7, 13), (50, 1536)]:
     assert torch.equal(ops.linear(x[4:5], w), y[4:5])
 # attention: a row's result is the same alone or with others, and matches SDPA
 S, Hkv, M, D, H = 1, 3, 64, 64, 9
-kc, vc = torch.zeros(S, Hkv, D, M), torch.zeros(S, Hkv, M, D)
+kc, vc = ops.kv_cache(S, Hkv, D, M)
 k, v = torch.randn(40, Hkv, D, generator=g), torch.randn(40, Hkv, D, generator=g)
 q = torch.randn(40, H, D, generator=g)
 slots, pos = torch.zeros(40, dtype=torch.long), torch.arange(40)
@@ -35,7 +35,7 @@ L, parents = 37, [-1, 0, 1, 0, 3, 2, 1, 4]
 N, one = len(parents), torch.ones(1, dtype=torch.long)
 q, k, v = torch.randn(N, H, D, generator=g), torch.randn(N, Hkv, D, generator=g), torch.randn(N, Hkv, D, generator=g)
 def cache():
-    kc, vc = torch.zeros(2, Hkv, D, M), torch.zeros(2, Hkv, M, D)
+    kc, vc = ops.kv_cache(2, Hkv, D, M)
     ops.cached_attention(torch.zeros(L, H, D), full[:L, :Hkv], full[:L, Hkv:2 * Hkv], kc, vc,
                          torch.ones(L, dtype=torch.long), torch.arange(L))
     return kc, vc
@@ -60,8 +60,8 @@ def test_kernels_on_avx2_and_native_paths_are_correct_and_row_exact():
 def test_cached_attention_matches_reference_and_masks_by_position():
     g = torch.Generator().manual_seed(1)
     S, Hkv, M, D, H = 2, 2, 32, 16, 6
-    kc, vc = torch.zeros(S, Hkv, D, M), torch.zeros(S, Hkv, M, D)
-    kc[1, :, :, 20:] = 1e4  # stale entries past a request's length must never be seen
+    kc, vc = ops.kv_cache(S, Hkv, D, M)
+    kc[1, :, 1, :, 4:] = 1e4  # stale keys past a request's length (positions 20-31) never count
     k, v = torch.randn(12, Hkv, D, generator=g), torch.randn(12, Hkv, D, generator=g)
     q = torch.randn(12, H, D, generator=g)
     slots, pos = torch.ones(12, dtype=torch.long), torch.arange(12)
@@ -70,7 +70,7 @@ def test_cached_attention_matches_reference_and_masks_by_position():
     ref = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), kk, vv,
                                                            is_causal=True).transpose(0, 1)
     assert (out - ref).abs().max() < 1e-5
-    assert torch.equal(kc[1, :, :, :12], k.permute(1, 2, 0)) and kc[0].abs().sum() == 0
+    assert torch.equal(ops.keys(kc)[1, :, :, :12], k.permute(1, 2, 0)) and kc[0].abs().sum() == 0
     assert torch.equal(vc[1, :, :12], v.transpose(0, 1))
     win = ops.cached_attention(q[-1:], k[-1:], v[-1:], kc, vc, slots[-1:], pos[-1:], window=4)
     ref4 = torch.nn.functional.scaled_dot_product_attention(q[-1:].transpose(0, 1), kk[:, 8:12],

@@ -178,8 +178,8 @@ def test_a_tree_path_through_later_branches_leaves_the_cache_as_prefill_does(tin
         fresh = tiny.model.new_cache(1, 128)
         tiny.model.forward(torch.tensor(toks), tiny.model.batch([Segment(0, 0, len(toks))]), fresh)
         for layer in range(tiny.config.num_layers):
-            assert torch.allclose(eng.cache.k[layer][ev.index, ..., :len(toks)],
-                                  fresh.k[layer][0, ..., :len(toks)], atol=1e-5)
+            assert torch.allclose(eng.cache.keys(layer)[ev.index, ..., :len(toks)],
+                                  fresh.keys(layer)[0, ..., :len(toks)], atol=1e-5)
             assert torch.allclose(eng.cache.v[layer][ev.index, :, :len(toks)],
                                   fresh.v[layer][0, :, :len(toks)], atol=1e-5)
     assert len(moved) > 3  # some accepted paths ran through a later branch
@@ -204,7 +204,7 @@ def test_kv_rollback_leaves_cache_equal_to_fresh_prefill(tiny):
         tiny.model.forward(torch.tensor(toks), tiny.model.batch([Segment(0, 0, len(toks))]), fresh)
         n = len(toks)
         for layer in range(tiny.config.num_layers):
-            assert torch.allclose(eng.cache.k[layer][slot, ..., :n], fresh.k[layer][0, ..., :n],
+            assert torch.allclose(eng.cache.keys(layer)[slot, ..., :n], fresh.keys(layer)[0, ..., :n],
                                   atol=1e-5)
             assert torch.allclose(eng.cache.v[layer][slot, :, :n], fresh.v[layer][0, :, :n], atol=1e-5)
         checked += 1

@@ -26,7 +26,8 @@ void attend_items_avx512(const float* qp, const float* kp, const float* vp, floa
                          int64_t b, float* buf, const float** rows);
 
 // q [N, H, D]; k, v [N, Hkv, D] (this forward's keys/values, written into the caches first);
-// k_cache [S, Hkv, D, M] (transposed), v_cache [S, Hkv, M, D]; slots, positions [N] (int64): where
+// k_cache [S, Hkv, M / 16, D, 16] (tiles of 16 keys, transposed), v_cache [S, Hkv, M, D]; M a
+// multiple of 16; slots, positions [N] (int64): where
 // each row's key and value are written; window <= 0: none.
 // parents empty: row n attends to keys (slots[n], j) for j in (positions[n] - window, positions[n]].
 // parents [N] (a token tree): parents[n] < n is the row of n's parent in this call, or -1 for a
@@ -39,13 +40,13 @@ torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& k,
                                int64_t window) {
   TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32 &&
               v_cache.dtype() == torch::kFloat32, "cached_attention: float32 expected");
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
-              "cached_attention: q [N, H, D], k_cache [S, Hkv, D, M], v_cache [S, Hkv, M, D] expected");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 5 && v_cache.dim() == 4,
+              "cached_attention: q [N, H, D], k_cache [S, Hkv, M / 16, D, 16], v_cache [S, Hkv, M, D] expected");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "cached_attention: contiguous caches expected");
   const int64_t N = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t S = v_cache.size(0), Hkv = v_cache.size(1), M = v_cache.size(2);
-  TORCH_CHECK(v_cache.size(3) == D && H % Hkv == 0 &&
-              k_cache.sizes() == torch::IntArrayRef({S, Hkv, D, M}),
+  TORCH_CHECK(v_cache.size(3) == D && H % Hkv == 0 && M % kKeyTile == 0 &&
+              k_cache.sizes() == torch::IntArrayRef({S, Hkv, M / kKeyTile, D, kKeyTile}),
               "cached_attention: cache shapes disagree: k ", k_cache.sizes(), " v ", v_cache.sizes());
   auto sl = slots.to(torch::kLong).contiguous();
   auto ps = positions.to(torch::kLong).contiguous();
@@ -55,7 +56,7 @@ torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& k,
   for (int64_t n = 0; n < N; ++n)
     TORCH_CHECK(pp[n] >= 0 && pp[n] < M && slp[n] >= 0 && slp[n] < S,
                 "cached_attention: slot ", slp[n], " position ", pp[n], " outside the cache");
-  {  // write this forward's keys (transposed: a column) and values (a row) at (slot, head, position)
+  {  // write this forward's keys (a column of their tile) and values (a row) at (slot, head, position)
     auto kc = k.reshape({N, Hkv, D}).contiguous(), vc = v.reshape({N, Hkv, D}).contiguous();
     const float* ks = kc.data_ptr<float>();
     const float* vs = vc.data_ptr<float>();
@@ -64,7 +65,8 @@ torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& k,
     for (int64_t n = 0; n < N; ++n)
       for (int64_t h = 0; h < Hkv; ++h) {
         const int64_t head = (slp[n] * Hkv + h) * M * D, src = (n * Hkv + h) * D;
-        for (int64_t d = 0; d < D; ++d) kd[head + d * M + pp[n]] = ks[src + d];
+        float* kcol = kd + head + key_at(pp[n], D);
+        for (int64_t d = 0; d < D; ++d) kcol[d * kKeyTile] = ks[src + d];
         std::memcpy(vd + head + pp[n] * D, vs + src, D * sizeof(float));
       }
   }
@@ -110,7 +112,7 @@ torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& k,
   auto* fn = use_avx512() ? &attend_items_avx512 : &attend_items<V256>;
   const bool is_tree = parents.numel() > 0;
   at::parallel_for(0, N * Hkv, 1, [&](int64_t a, int64_t b) {
-    std::vector<float> buf((H / Hkv) * longest);
+    std::vector<float> buf((H / Hkv) * (longest + 2 * kKeyTile));
     std::vector<const float*> rows(widest);
     fn(qp, kp, vp, op, slp, pp, is_tree ? hi.data() : nullptr, is_tree ? tbeg.data() : nullptr,
        tree.data(), N, H, Hkv, M, D, window, scale, a, b, buf.data(), rows.data());
