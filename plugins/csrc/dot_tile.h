@@ -176,9 +176,9 @@ inline void dot_tile(const int8_t* xq, const float* d, const float* ds, const ui
     }
 }
 
-// Weight-row blocks [b0, b1) of C rows each (the last block may be partial), all n rows, R at a
-// time and the rest one by one.
-template <int Bits, int R, int C>
+// Weight-row blocks [b0, b1) of C rows each (the last block may be partial), all n rows: four at
+// a time (each weight block is unpacked once for all of them), then the 3, 2 or 1 left together.
+template <int Bits, int C>
 inline void dot_blocks(const int8_t* xq, const float* d, const float* ds, const uint8_t* q,
                        const uint16_t* scale, const uint16_t* offset, float* y, int64_t n, int64_t in,
                        int64_t out, int64_t b0, int64_t b1) {
@@ -190,16 +190,18 @@ inline void dot_blocks(const int8_t* xq, const float* d, const float* ds, const 
       const float* dr = d + r * stride;
       const float* sr = ds ? ds + r * blocks : nullptr;
       float* yr = y + r * out;
-      if (o + C > out) {
+      const int64_t rows = o + C > out ? 1 : (n - r < 4 ? n - r : 4);
+      if (o + C > out)
         for (int64_t oo = o; oo < out; ++oo) dot_tile<Bits, 1, 1>(xr, dr, sr, q, scale, offset, yr, in, out, oo);
-        r += 1;
-      } else if (r + R <= n) {
-        dot_tile<Bits, R, C>(xr, dr, sr, q, scale, offset, yr, in, out, o);
-        r += R;
-      } else {
+      else if (rows == 4)
+        dot_tile<Bits, 4, C>(xr, dr, sr, q, scale, offset, yr, in, out, o);
+      else if (rows == 3)
+        dot_tile<Bits, 3, C>(xr, dr, sr, q, scale, offset, yr, in, out, o);
+      else if (rows == 2)
+        dot_tile<Bits, 2, C>(xr, dr, sr, q, scale, offset, yr, in, out, o);
+      else
         dot_tile<Bits, 1, C>(xr, dr, sr, q, scale, offset, yr, in, out, o);
-        r += 1;
-      }
+      r += rows;
     }
   }
 }

@@ -9,7 +9,9 @@
 #include "dot_tile.h"
 
 namespace {
-constexpr int kRows = 2, kCols = 4;  // 8 accumulators, 4 weight blocks, x and temporaries
+// weight rows per block: 4 for one x row; 2 for more (up to 4 x rows by 2: 8 accumulators, the
+// unpacked weights, temporaries)
+constexpr int kColsOne = 4, kCols = 2;
 }
 
 // x float32 [n, in]; q int8 [out, in] (bits 8) or uint8 [out, in / 2] (bits 4); scale float16
@@ -56,8 +58,10 @@ torch::Tensor quant_dot_linear(const torch::Tensor& x, const torch::Tensor& q, c
     quantize_rows(xp + r0 * in, r1 - r0, in, bits, xqp + r0 * in, dp + r0 * stride,
                   dsp ? dsp + r0 * blocks : nullptr);
   });
-  auto* fn = bits == 8 ? &dot_blocks<8, kRows, kCols> : &dot_blocks<4, kRows, kCols>;
-  at::parallel_for(0, (out + kCols - 1) / kCols, 16, [&](int64_t b0, int64_t b1) {
+  const int64_t cols = n == 1 ? kColsOne : kCols;
+  auto* fn = n == 1 ? (bits == 8 ? &dot_blocks<8, kColsOne> : &dot_blocks<4, kColsOne>)
+                    : (bits == 8 ? &dot_blocks<8, kCols> : &dot_blocks<4, kCols>);
+  at::parallel_for(0, (out + cols - 1) / cols, 16, [&](int64_t b0, int64_t b1) {
     fn(xqp, dp, dsp, qp, sp, op, yp, n, in, out, b0, b1);
   });
   return y;
