@@ -76,6 +76,12 @@ def test_cached_attention_matches_reference_and_masks_by_position():
     ref4 = torch.nn.functional.scaled_dot_product_attention(q[-1:].transpose(0, 1), kk[:, 8:12],
                                                             vv[:, 8:12])  # the last 4 keys only
     assert (win - ref4.transpose(0, 1)).abs().max() < 1e-5
+    # a window that starts inside a vector of keys: the lanes before it are computed and ignored
+    kc[1, :, 0, :, :7] = 1e4
+    win5 = ops.cached_attention(q[-1:], k[-1:], v[-1:], kc, vc, slots[-1:], pos[-1:], window=5)
+    ref5 = torch.nn.functional.scaled_dot_product_attention(q[-1:].transpose(0, 1), kk[:, 7:12],
+                                                            vv[:, 7:12])
+    assert (win5 - ref5.transpose(0, 1)).abs().max() < 1e-5
 
 
 AMX = pytest.mark.skipif(not ops.amx_available(), reason="no AMX-BF16 tiles on this CPU")
