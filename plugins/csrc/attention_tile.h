@@ -121,7 +121,8 @@ void weighted_values(float* const* w, const float* inv, int64_t len, const float
       for (int64_t j = j0; j < j1; ++j) {
         const float* v = row(j) + d0;
         if (d0 == 0 && j + KB < total)
-          for (int64_t b = 0; b < D; b += 16) _mm_prefetch(reinterpret_cast<const char*>(row(j + KB) + b), _MM_HINT_T0);
+          for (int64_t b = 0; b < D; b += 16) _mm_prefetch(  // a 64-byte line per 16 floats
+              reinterpret_cast<const char*>(row(j + KB) + b), _MM_HINT_T0);
         for (int c = 0; c < nv; ++c) {
           const typename V::reg vv = V::load(v + c * V::lanes);
           for (int g = 0; g < G; ++g) acc[g][c] = V::fma(V::set1(w[g][j]), vv, acc[g][c]);

@@ -190,17 +190,18 @@ inline void dot_blocks(const int8_t* xq, const float* d, const float* ds, const 
       const float* dr = d + r * stride;
       const float* sr = ds ? ds + r * blocks : nullptr;
       float* yr = y + r * out;
-      const int64_t rows = o + C > out ? 1 : (n - r < 4 ? n - r : 4);
-      if (o + C > out)
+      if (o + C > out) {  // a partial last block: its weight rows one by one
         for (int64_t oo = o; oo < out; ++oo) dot_tile<Bits, 1, 1>(xr, dr, sr, q, scale, offset, yr, in, out, oo);
-      else if (rows == 4)
-        dot_tile<Bits, 4, C>(xr, dr, sr, q, scale, offset, yr, in, out, o);
-      else if (rows == 3)
-        dot_tile<Bits, 3, C>(xr, dr, sr, q, scale, offset, yr, in, out, o);
-      else if (rows == 2)
-        dot_tile<Bits, 2, C>(xr, dr, sr, q, scale, offset, yr, in, out, o);
-      else
-        dot_tile<Bits, 1, C>(xr, dr, sr, q, scale, offset, yr, in, out, o);
+        r += 1;
+        continue;
+      }
+      const int64_t rows = n - r < 4 ? n - r : 4;
+      switch (rows) {
+        case 4: dot_tile<Bits, 4, C>(xr, dr, sr, q, scale, offset, yr, in, out, o); break;
+        case 3: dot_tile<Bits, 3, C>(xr, dr, sr, q, scale, offset, yr, in, out, o); break;
+        case 2: dot_tile<Bits, 2, C>(xr, dr, sr, q, scale, offset, yr, in, out, o); break;
+        default: dot_tile<Bits, 1, C>(xr, dr, sr, q, scale, offset, yr, in, out, o);
+      }
       r += rows;
     }
   }
