@@ -242,7 +242,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                    help="comma-separated: ar, ngram, mtp, dflash, dfly, auto (routed; needs "
                         "--engine), hf (transformers generate(), the outside reference), llamacpp "
                         "(llama.cpp on the GGUF the default target comes from, or on one bench "
-                        "writes for another Llama target under build/gguf/; `make llamacpp`)")
+                        "writes for another Llama target under build/gguf/; `make llamacpp`), "
+                        "float32 (the same target with float32 weights, ar: what the engine's "
+                        "bf16 or quantized weights gain)")
     b.add_argument("--limit", type=int, default=None, help="first N prompts of each domain")
     b.add_argument("--engine", default=None,
                    help="serve a built engine folder (angelspec build): its target, drafts, "

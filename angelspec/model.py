@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from angelspec import DEFAULT_MAX_LEN
 from angelspec.plugins import (
     SKINNY_MAX_ROWS,
-    amx_available,
     cached_attention,
     linear,
     rms_norm,
@@ -239,15 +238,16 @@ class Llama:
                    for q, w in pairs)
 
     def pack_bf16(self) -> None:
-        """Serve the matmuls from bf16 weights on the AMX tile unit (plugins.pack_bf16): half the
-        bytes per forward and matrix-unit speed for many rows; the activations entering each
-        matmul are rounded to bf16, all else stays float32. Weights whose shape the tiles do
-        not fit stay float32. The embedding and `lm_head` stay float32 for the drafters."""
+        """Serve the matmuls from bf16 weights (plugins.served): half the bytes per forward. With
+        AMX-BF16 tiles they are packed for the tile unit (matrix-unit speed for many rows; the
+        activations entering each matmul are rounded to bf16); without, they stay in row order
+        and the float32 kernels widen them as they load them (the float32 model on the bf16
+        weights, activations float32). Weights whose shape the tiles do not fit stay float32. The
+        embedding and `lm_head` stay float32 for the drafters."""
         if self.weights == "bfloat16":
             return
-        if not amx_available():
-            raise RuntimeError("bf16 weights need a CPU with AMX-BF16 tiles (Intel Sapphire Rapids "
-                               "or newer) and Linux 5.16+; serve float32 weights here")
+        if self.weights != "float32":
+            raise RuntimeError(f"cannot serve {self.weights} weights as bf16: start from float32")
         self.head_w = served(self.lm_head, "bfloat16", logits=True)
         for layer in self.layers:
             for k in self.MATMULS:

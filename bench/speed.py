@@ -102,14 +102,16 @@ def chunks(prompts: list[dict], batch_size: int) -> list[tuple[str, list[int]]]:
 
 
 def run_engine_chunk(engine: Engine, run: Run, ids: list[list[int]], chunk: list[int],
-                     domain: str, max_tokens: int, sampling: dict | None = None) -> None:
-    """sampling: temperature and top_p (each prompt sampled with its index as seed); None: greedy."""
+                     domain: str, max_tokens: int, sampling: dict | None = None,
+                     drafter: str | None = None) -> None:
+    """sampling: temperature and top_p (each prompt sampled with its index as seed); None: greedy.
+    drafter: the one to request (default: the run's)."""
     params = [SamplingParams(max_tokens=max_tokens, **(dict(sampling, seed=i) if sampling else {}))
               for i in chunk]
     engine.dcut = run.dcut
     st = engine.stats
     t0, p0, s0, d0, f0 = time.perf_counter(), st.prefill_time, st.steps, st.draft_time, st.forward_time
-    results = engine.generate([Request(ids[i], p, run.drafter) for i, p in zip(chunk, params)])
+    results = engine.generate([Request(ids[i], p, drafter or run.drafter) for i, p in zip(chunk, params)])
     run.add(domain, time.perf_counter() - t0, st.prefill_time - p0, st.steps - s0)
     run.draft_time += st.draft_time - d0
     run.forward_time += st.forward_time - f0
@@ -140,6 +142,21 @@ class HFRunner:
                                           pad_token_id=self.eos[0] if self.eos else 0)
             run.outputs[i] = out[0, x.shape[1]:].tolist()
             run.add(domain, time.perf_counter() - t0, 0.0, len(run.outputs[i]))
+
+
+class Float32Runner:
+    """The same target with float32 weights, decoding autoregressively with as many requests in
+    flight as the engine (eager, this engine's kernels): what the engine's served weights (bf16,
+    int8 / int4, w8a8 / w4a8) gain over float32 on this machine."""
+
+    def __init__(self, target: Target, batch_size: int, max_len: int):
+        ref = target if target.model.weights == "float32" else load_target(target.path, max_len=max_len)
+        self.engine = Engine(ref, max_batch=batch_size, max_len=max_len)
+        run_engine_chunk(self.engine, Run("ar", 1), [[1, 2, 3]], [0], "warm-up", 8)
+
+    def __call__(self, run: Run, ids: list[list[int]], chunk: list[int], domain: str,
+                 max_tokens: int) -> None:
+        run_engine_chunk(self.engine, run, ids, chunk, domain, max_tokens, drafter="ar")
 
 
 class LlamaCppRunner:
@@ -209,7 +226,9 @@ def agreement(ref: list[int], out: list[int]) -> float:
     return first_difference(ref, out) / max(len(ref), 1)
 
 
-REFERENCES = ("hf", "llamacpp")  # outside runtimes, timed beside ours: no drafts, no accept length
+# timed beside ours, greedy: outside runtimes, and our float32 weights; no drafts, no accept length
+REFERENCES = ("hf", "llamacpp", "float32")
+OTHER_NUMERICS = ("llamacpp", "float32")  # their greedy text is compared with ar's, not required to match
 
 
 def top2_margin(target: Target, tokens: list[int]) -> float:
@@ -290,8 +309,8 @@ def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_t
         sampling = dict(temperature=temperature, top_p=top_p)
         SamplingParams(**sampling).validate()
         if any(r in names for r in REFERENCES):
-            raise ValueError("hf and llamacpp are greedy references: drop them from --drafters "
-                             "when sampling")
+            raise ValueError(f"{', '.join(REFERENCES)} are greedy references: drop them from "
+                             "--drafters when sampling")
         eps = 0.0  # a sampled token follows the uniform, not the top-2 margin: no near-ties
     if engine_dir:
         target = load_target(pathlib.Path(engine_dir) / "target")
@@ -311,7 +330,8 @@ def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_t
     # the bandwidth reference is sampled before every batch, under the same conditions as the
     # decoding it is compared with (this machine's speed drifts), and its median is reported
     stream_buf, samples = torch.ones(2**28), []
-    outside = {"hf": HFRunner, "llamacpp": LlamaCppRunner}
+    outside = {"hf": HFRunner, "llamacpp": LlamaCppRunner,
+               "float32": lambda t: Float32Runner(t, batch_size, max_len)}
     outside = {d: outside[d](target) for d in names if d in REFERENCES}
     runs = [Run(d, len(prompts), dcut=m) for d in names
             for m in ((False,) if d in ("ar", *REFERENCES) else modes)]
@@ -359,7 +379,7 @@ def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_t
                    "lossless": all(verdicts[i] != "diverged" for i in idx),
                    "near_ties": sum(verdicts[i] == "near_tie" for i in idx),
                    "weight_gb_per_s": None}
-            if run.drafter == "llamacpp":  # other numerics: how far its greedy text follows ours
+            if run.drafter in OTHER_NUMERICS:  # how far its greedy text follows ours
                 row.update(lossless=None, near_ties=0,
                            same_as_ar=sum(run.outputs[i] == ref[i] for i in idx),
                            token_agreement=round(statistics.mean(agreement(ref[i], run.outputs[i])
@@ -373,7 +393,7 @@ def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_t
                 # (hf, llamacpp: one per token, prefill included as it cannot be separated)
                 row.update(seconds=round(secs, 3), tokens_per_s=round(tps, 2),
                            speedup_vs_ar=round(tps / ar_tps[dom], 3),
-                           weight_gb_per_s=None if run.drafter == "llamacpp" else  # its own bytes
+                           weight_gb_per_s=None if run.drafter in OTHER_NUMERICS else  # their own bytes
                            round(forwards * weight_bytes / (secs - pre) / 1e9, 2))
             if dom == "all" and run.drafter not in REFERENCES:
                 # drafting time per step against the verification forward's (the same steps)
@@ -431,8 +451,8 @@ def format_table(result: dict) -> str:
                      f"{num(r['weight_gb_per_s'], '6.1f'):>6} {num(pct, '4.0f'):>4}% "
                      f"{str(r['lossless']).lower():>9} {r['near_ties']:>9} "
                      f"{num(r.get('draft_per_forward'), '.3f'):>9}  {used}")
-        if r["drafter"] == "llamacpp" and r["domain"] == "all":
-            lines.append(f"{'':<22} llamacpp's greedy tokens: {r['same_as_ar']} of {r['n_prompts']} prompts "
+        if r["drafter"] in OTHER_NUMERICS and r["domain"] == "all":
+            lines.append(f"{'':<22} {r['drafter']}'s greedy tokens: {r['same_as_ar']} of {r['n_prompts']} prompts "
                          f"identical to ar's, {100 * r['token_agreement']:.1f}% of tokens before they differ")
     if "top1_agreement_with_float32" in cfg:
         lines.append(f"{cfg['weights']} weights: the float32 checkpoint's top-1 token agrees with "

@@ -1,6 +1,7 @@
 """AngelSpec's custom ops, registered with torch.library in the `angelspec` namespace.
 
-Model kernels (C++, csrc/; compiled when AngelSpec is installed, see build.py): skinny_linear,
+Model kernels (C++, csrc/; compiled when AngelSpec is installed, see build.py): skinny_linear
+(float32 or bf16 weights),
 quant_linear (int8 / int4 weight-only), quant_dot_linear (w8a8 / w4a8), amx_linear (+ amx_pack),
 cached_attention, rms_norm, rope_, silu_mul, and decoder_layer (one layer of a decoding forward
 through those kernels, in one call).
@@ -14,6 +15,7 @@ from angelspec.plugins.dfly_head import dfly_draft_head
 from angelspec.plugins.layer_ops import rms_norm, rope_, silu_mul
 from angelspec.plugins.linear import (
                                       SKINNY_MAX_ROWS,
+                                      Bf16Weight,
                                       QuantWeight,
                                       amx_available,
                                       can_pack,
@@ -28,4 +30,4 @@ from angelspec.plugins.verify import verify_greedy, verify_rejection
 __all__ = ["cached_attention", "kv_cache", "keys", "linear", "rms_norm", "rope_", "silu_mul", "SKINNY_MAX_ROWS",
            "verify_greedy", "verify_rejection", "dcut_select", "dfly_draft_head", "RATIOS",
            "interpolate_cost", "survival", "amx_available", "can_pack", "pack_bf16",
-           "QuantWeight", "can_quantize", "quantize", "served"]
+           "Bf16Weight", "QuantWeight", "can_quantize", "quantize", "served"]

@@ -8,7 +8,7 @@ import torch
 
 from angelspec.plugins.attention import CHAIN
 from angelspec.plugins.build import load_kernels
-from angelspec.plugins.linear import QuantWeight
+from angelspec.plugins.linear import Bf16Weight, QuantWeight
 
 load_kernels()
 _layer = torch.ops.angelspec.decoder_layer
@@ -17,7 +17,10 @@ MATMULS = ("qkv", "o", "gate_up", "down")
 
 def weight_args(w) -> tuple[list[torch.Tensor], int]:
     """A matmul weight as decoder_layer takes it: its tensors and its kind, 0 float32, 1 bf16
-    packed (pack_bf16), 2 weight-only quantized, 3 quantized with int8 activations."""
+    packed (pack_bf16), 2 weight-only quantized, 3 quantized with int8 activations (a Bf16Weight:
+    kind 0, skinny_linear reads its bf16 rows)."""
+    if isinstance(w, Bf16Weight):
+        return [w.w], 0
     if isinstance(w, QuantWeight):
         return [w.q, w.scale] + ([] if w.offset is None else [w.offset]), 3 if w.int8_activations else 2
     return [w], 1 if w.dtype == torch.bfloat16 else 0

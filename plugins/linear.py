@@ -6,13 +6,18 @@ as it would alone, so a k-token verification forward gives bit-identical logits 
 forwards. Longer inputs (prompt prefill) are compute-bound and go to the BLAS routine.
 
 Weights packed by `pack_bf16` (bf16, any row count) use `angelspec::amx_linear` on the AMX tile
-unit, row-exact too. Weight-only quantized weights (`quantize`: int8 or int4 in groups of 32)
-use `angelspec::quant_linear` up to SKINNY_MAX_ROWS rows: it expands each block of weight rows
-to float32 in cache and runs the skinny kernel's tiles on it, so it computes exactly what the
+unit, row-exact too. On CPUs without the tiles, bf16 weights stay in plain row order
+(`Bf16Weight`) and `skinny_linear` widens each one to float32 as it loads it: the float32
+kernel's result on those weight values, bit for bit, at half the bytes read.
+
+Weight-only quantized weights (`quantize`: int8 or int4 in groups of 32) use
+`angelspec::quant_linear` up to SKINNY_MAX_ROWS rows: it expands each block of weight rows to
+float32 in cache and runs the skinny kernel's tiles on it, so it computes exactly what the
 float32 path does on the dequantized weights (`QuantWeight.dequantized`), which longer inputs
-use. The w8a8 / w4a8 schemes keep those weights and round the activations to int8 in blocks of
-32 as llama.cpp does (`angelspec::quant_dot_linear`: integer dot products, row-exact, any row
-count): fewer instructions per weight, at the cost of the activations' rounding.
+use (as they use a Bf16Weight's). The w8a8 / w4a8 schemes keep those weights and round the
+activations to int8 in blocks of 32 as llama.cpp does (`angelspec::quant_dot_linear`: integer
+dot products, row-exact, any row count): fewer instructions per weight, at the cost of the
+activations' rounding.
 """
 from dataclasses import dataclass
 
@@ -44,6 +49,27 @@ def pack_bf16(w: torch.Tensor) -> torch.Tensor:
     """float32 [out, in] -> its bf16 values (round to nearest even) in the AMX tile layout, same
     shape; `linear` recognises the result by its dtype."""
     return torch.ops.angelspec.amx_pack(w.float().contiguous())
+
+
+@dataclass(frozen=True)
+class Bf16Weight:
+    """bf16 weights [out, in] in plain row order, as CPUs without AMX tiles serve them: the float32
+    kernels multiply them (each weight widened exactly), so they compute the float32 model on
+    these weight values, with activations in float32 (AMX tiles round those to bf16: the two
+    kinds of machine give slightly different outputs for the same engine)."""
+    w: torch.Tensor  # bfloat16 [out, in]
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.w.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.w.nbytes
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weights this serves."""
+        return self.w.float()
 
 
 GROUP = 32  # input weights per scale (and offset): llama.cpp's Q8_0 / Q4_1 blocks
@@ -127,10 +153,13 @@ def quantize(w: torch.Tensor, scheme: str) -> QuantWeight:
 
 
 def served(w: torch.Tensor, weights: str, logits: bool = False):
-    """A float32 [out, in] matrix as an engine serving `weights` multiplies it: packed to bf16,
-    quantized by the scheme (a logits matrix by its 8-bit variant, as llama.cpp keeps its output
-    matrix), or w itself (float32, or a shape the format does not take)."""
+    """A float32 [out, in] matrix as an engine serving `weights` multiplies it: bf16 (packed for
+    the AMX tiles where the CPU has them, else a Bf16Weight), quantized by the scheme (a logits
+    matrix by its 8-bit variant, as llama.cpp keeps its output matrix), or w itself (float32, or
+    a shape the format does not take)."""
     if weights == "bfloat16":
+        if not amx_available():
+            return Bf16Weight(w.bfloat16().contiguous()) if w.dim() == 2 else w
         return pack_bf16(w) if can_pack(w) else w
     if weights in SCHEMES:
         if logits:
@@ -140,8 +169,8 @@ def served(w: torch.Tensor, weights: str, logits: bool = False):
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in], w [out, in] (float32, packed by pack_bf16, or a QuantWeight), b [out] or
-    None -> [..., out]."""
+    """x [..., in], w [out, in] (float32, packed by pack_bf16, a Bf16Weight or a QuantWeight),
+    b [out] or None -> [..., out]."""
     if type(w) is QuantWeight and w.int8_activations and not x.requires_grad:
         # the decoding step's hot path (121 calls a step for the default target): no more
         # Python than it needs
@@ -151,10 +180,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
             y = y.view(*x.shape[:-1], y.shape[-1])
         return y if b is None else y + b
     rows = x.numel() // x.shape[-1]
-    if isinstance(w, QuantWeight):
+    if isinstance(w, (QuantWeight, Bf16Weight)):
         if rows > SKINNY_MAX_ROWS or x.requires_grad:  # prompt prefill: BLAS on the same weights
             return F.linear(x.float(), w.dequantized(), b)
-        y = _quant(x.reshape(rows, x.shape[-1]).float(), w.q, w.scale, w.offset, w.bits)
+        flat = x.reshape(rows, x.shape[-1]).float()
+        y = _skinny(flat, w.w) if type(w) is Bf16Weight else _quant(flat, w.q, w.scale, w.offset, w.bits)
         y = y.reshape(*x.shape[:-1], w.shape[0])
         return y if b is None else y + b
     if w.dtype == torch.bfloat16:

@@ -61,10 +61,7 @@ def test_manifest_names_every_part_with_checksums(parts):
     assert m.drafters["ngram"].draft_len in (3, 5, 7)
 
 
-@pytest.mark.parametrize("weights", [
-    pytest.param("bfloat16", marks=pytest.mark.skipif(not amx_available(),
-                                                      reason="no AMX-BF16 tiles on this CPU")),
-    "int8", "int4"])
+@pytest.mark.parametrize("weights", ["bfloat16", "int8", "int4"])
 def test_engine_with_packed_or_quantized_weights_serves_losslessly(parts, tmp_path, weights):
     root, _, _ = parts
     kinds = [] if weights == "bfloat16" else ["mtp", "dfly"]
@@ -83,6 +80,16 @@ def test_engine_with_packed_or_quantized_weights_serves_losslessly(parts, tmp_pa
             eng.dcut = dcut
             out = eng.generate([Request(p, params, name) for p in prompts])
             assert [r.tokens for r in out] == [r.tokens for r in ref], (name, dcut)
+    if weights == "bfloat16":  # bench times the same target's float32 weights beside the engine's
+        from angelspec.bench.speed import bench, format_table
+        from angelspec.prompts import load_prompts
+
+        res = bench(None, load_prompts(root / "data" / "heldout.jsonl"), ["ar", "float32"], max_tokens=8,
+                    engine_dir=str(tmp_path / "engine"))
+        row = next(r for r in res["results"] if r["drafter"] == "float32" and r["domain"] == "all")
+        assert row["tokens_per_s"] > 0 and row["lossless"] is None and row["mean_accept_len"] is None
+        assert 0 <= row["same_as_ar"] <= row["n_prompts"] and res["config"]["weights"] == "bfloat16"
+        assert "float32's greedy tokens:" in format_table(res)
 
 
 def test_engine_serves_every_drafter_losslessly(parts):

@@ -17,6 +17,12 @@ for out_f, in_f in [(3072, 576), (577, 100), (7, 13), (50, 1536)]:
     for n in (1, 2, 3, 5, 7, 8):
         assert torch.equal(ops.linear(x[:n], w), y[:n]), (out_f, in_f, n)
     assert torch.equal(ops.linear(x[4:5], w), y[4:5])
+    # bf16 weights in row order (CPUs without AMX tiles): the float32 kernel on their values
+    wb = ops.Bf16Weight(w.bfloat16())
+    yb = ops.linear(x, wb)
+    assert torch.equal(yb, ops.linear(x, w.bfloat16().float())), (out_f, in_f)
+    for n in (1, 2, 3, 5):
+        assert torch.equal(ops.linear(x[n:2 * n], wb), yb[n:2 * n]), (out_f, in_f, n)
 # attention: a row's result is the same alone or with others, and matches SDPA
 S, Hkv, M, D, H = 1, 3, 64, 64, 9
 kc, vc = ops.kv_cache(S, Hkv, D, M)
@@ -105,13 +111,15 @@ def test_amx_linear_is_row_exact_and_sums_bf16_products_in_float32():
         ops.pack_bf16(torch.randn(17, 32))
 
 
-@AMX
 def test_bf16_weights_serve_losslessly_and_the_checkpoint_unchanged(tmp_path):
     """A model whose weights are bf16 values serves them exactly (pack_bf16 rounds nothing), and
-    greedy speculative decoding with packed weights equals packed batch-1 decoding."""
+    greedy speculative decoding with bf16 weights equals bf16 batch-1 decoding: on AMX tiles,
+    or (without them) read in row order by the float32 kernels, which then give exactly the
+    float32 model's output."""
     from conftest import tiny_target
 
     from angelspec.runtime import Engine, Request, SamplingParams
+    from angelspec.runtime.backend import choose_weights
 
     target = tiny_target(tmp_path, vocab_size=96, eos_token_id=95)
     m = target.model
@@ -122,12 +130,22 @@ def test_bf16_weights_serve_losslessly_and_the_checkpoint_unchanged(tmp_path):
     assert m.bf16_exact()
     p = SamplingParams(max_tokens=24)
     ps = [[5, 9, 14, 5, 9], [3] * 12, list(range(1, 40))]
+    tiles = ops.amx_available()
+    w = choose_weights(m, "auto")  # bf16 values: served as bf16 with tiles, measured without
+    assert w["exact"] and w["checkpoint_is_bf16"] and w["amx_tiles"] == (w["dtype"] == "bfloat16" and tiles)
+    assert w["dtype"] == "bfloat16" if tiles else "bfloat16 gives back the checkpoint's weights" in w["why"]
     bytes32 = m.weight_bytes()
+    float32 = [Engine(target, max_batch=1, max_len=128).generate([Request(x, p, "ar")])[0].tokens
+               for x in ps]
     m.pack_bf16()
     assert m.weights == "bfloat16" and m.weight_bytes() < 0.6 * bytes32
-    assert m.head_w.dtype == torch.bfloat16 and m.lm_head.dtype == torch.float32
+    assert isinstance(m.head_w, torch.Tensor) == tiles and m.lm_head.dtype == torch.float32
+    assert all(isinstance(layer[k], torch.Tensor if tiles else ops.Bf16Weight) for layer in m.layers
+               for k in m.MATMULS)
     ref = [Engine(target, max_batch=1, max_len=128).generate([Request(x, p, "ar")])[0].tokens
            for x in ps]
+    if not tiles:
+        assert ref == float32
     for batch in (1, 3):
         eng = Engine(target, max_batch=batch, max_len=128, draft_len=4)
         out = eng.generate([Request(x, p, "ngram") for x in ps])

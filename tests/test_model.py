@@ -60,16 +60,14 @@ def test_verification_forward_rounds_exactly_like_one_token_forwards(tiny):
 def test_each_layer_as_one_op_computes_what_the_ops_one_by_one_compute(tmp_path, name):
     """plugins.decoder_layer (decoding and verification forwards) against the model's op-by-op
     layer loop, bit for bit: prefill, decode steps, a token tree, captured hidden states, for
-    every weight kind it dispatches (float32; bf16 with AMX; weight-only and int8-activation
+    every weight kind it dispatches (float32; bf16, on AMX tiles or in row order; weight-only and int8-activation
     quantized), with biases, a head_dim of its own and a sliding window."""
-    from angelspec.plugins import amx_available
-
     make_checkpoint(tmp_path, **VARIANTS[name])
     cfg = read_config(tmp_path)
     base = Llama(cfg, read_weights(tmp_path), max_len=128)
     ids = torch.randint(0, cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(3))
     tree = torch.tensor([-1, 0, 0, 1, 2])
-    for weights in ["float32", "int8", "int4", "w8a8", "w4a8"] + (["bfloat16"] if amx_available() else []):
+    for weights in ["float32", "bfloat16", "int8", "int4", "w8a8", "w4a8"]:
         fused = base.served_as(weights)
         ops = base.served_as(weights) if weights != "float32" else Llama(cfg, read_weights(tmp_path), max_len=128)
         ops.fused = False

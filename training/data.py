@@ -6,9 +6,10 @@ boundaries. The target's hidden states at the layers the trained drafters read a
 engine commits each token (FeatureRecorder): the rows a served engine hands its drafters, with
 no second pass over the sequences, so trainers never recompute them. The target runs with the
 matmul weights an engine will serve (`weights`, as `angelspec build --weights`: bf16 where the
-CPU has AMX-BF16 tiles), so drafts learn the hidden states and choices they will see when
-served. A shard is written as soon as its last prompt is answered and the manifest is rewritten
-after each one, so an interrupted build resumes where it stopped.
+CPU has AMX-BF16 tiles or the checkpoint's weights are bf16 values), so drafts learn the hidden
+states and choices they will see when served. A shard is written as soon as its last prompt is
+answered and the manifest is rewritten after each one, so an interrupted build resumes where it
+stopped.
 
 out_dir/
   prompts.jsonl, heldout.jsonl  {prompt, domain, source} per line (heldout: for `angelspec bench`)
@@ -234,8 +235,10 @@ def build(target: Target, out_dir, counts: dict[str, int], heldout: int, max_tok
     if dtype != target.model.weights:
         target = dataclasses.replace(target, model=target.model.served_as(dtype))
     # int8 / int4 that give back the checkpoint's weights exactly compute the float32 model's
-    # numbers: the data is float32's (a float32 folder resumes, an exact int4 engine reads it)
-    numerics = "float32" if choice["exact"] and dtype in ("int8", "int4") else dtype
+    # numbers, as bf16 values without AMX tiles do: the data is float32's (a float32 folder
+    # resumes, an exact int4 engine reads it)
+    weight_only = ("int8", "int4") + (("bfloat16",) if not choice["amx_tiles"] else ())
+    numerics = "float32" if choice["exact"] and dtype in weight_only else dtype
     cfg = target.config
     layers = training_layers(cfg.num_layers)
     gen = dict(max_tokens=max_tokens, temperature=float(temperature), seed=seed,
@@ -362,7 +365,7 @@ def add_arguments(p) -> None:
     p.add_argument("--weights", choices=WEIGHTS, default="auto",
                    help="the target's matmul weights while generating and caching features: "
                         "auto = as `angelspec build` serves them by default (the fastest of "
-                        "float32, bfloat16 with AMX-BF16 tiles, and int8 / int4 / w8a8 / w4a8 "
+                        "float32, bfloat16 (with AMX-BF16 tiles, or bf16 checkpoints), and int8 / int4 / w8a8 / w4a8 "
                         "where they give back the checkpoint's weights exactly, measured here); "
                         "a scheme by name for an engine built with those weights")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")

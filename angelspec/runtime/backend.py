@@ -48,7 +48,9 @@ def choose_weights(model, asked: str = "auto") -> dict:
     """How the engine's matmul weights serve. `auto`: the fastest of the options that keep the
     model, measured here (a decoding step each, in turns): float32; bfloat16 when this CPU has
     AMX-BF16 tiles (a float32 checkpoint's weights are then rounded to bf16, at most 2^-9
-    relative, as any bf16 serving stack does); int8 / int4 (weight-only, plugins.quantize) only
+    relative, as any bf16 serving stack does), and without them when the checkpoint's weights
+    are bf16 values (the float32 kernels then read them as bf16 and compute float32's numbers
+    at half the bytes); int8 / int4 (weight-only, plugins.quantize) only
     when they give back the checkpoint's weights exactly, as for a checkpoint converted from such
     blocks (the default target), and then also w8a8 / w4a8 (those weights, each matmul's input
     rounded to int8 in blocks of 32 as llama.cpp rounds it: integer dot products). Otherwise
@@ -62,6 +64,8 @@ def choose_weights(model, asked: str = "auto") -> dict:
         dtype = "bfloat16" if amx else "float32"
         why = "AMX-BF16 tiles on this CPU" if amx else "no AMX-BF16 tiles on this CPU"
         models = {dtype: model if dtype == "float32" else model.served_as(dtype)}
+        if not amx and bf16_exact:
+            models["bfloat16"] = model.served_as("bfloat16")
         w0 = model.layers[0]["down"]
         for scheme in ("int8", "int4"):  # one weight first: most checkpoints fail at once, cheaply
             if not (can_quantize(w0) and torch.equal(quantize(w0, scheme).dequantized(), w0)):
@@ -79,6 +83,8 @@ def choose_weights(model, asked: str = "auto") -> dict:
             measured = {w: round(statistics.median(t), 3) for w, t in times.items()}
             dtype = min(measured, key=measured.get)
             weight_only = sorted(w for w in given_back if w in WITH_INT8_ACTIVATIONS)
+            if "bfloat16" in models and not amx:
+                weight_only.insert(0, "bfloat16")
             verb = "gives" if len(weight_only) == 1 else "give"
             why += (f"; {' and '.join(weight_only)} {verb} back the checkpoint's weights exactly; "
                     "a decoding step measured here: " +
@@ -87,11 +93,12 @@ def choose_weights(model, asked: str = "auto") -> dict:
         dtype, why = asked, "asked for"
         if dtype in SCHEMES and model.gives_back(model.served_as(dtype)):
             given_back.add(dtype)
-    if dtype == "bfloat16" and not amx:
-        raise ValueError("bfloat16 weights need AMX-BF16 tiles, which this CPU does not offer")
     if dtype == "bfloat16":
         why += ("; the checkpoint's weights are bf16 values (nothing rounded)" if bf16_exact else
                 "; the checkpoint's float32 weights rounded to bf16")
+        why += ("; multiplied on the AMX tiles, each matmul's input rounded to bf16" if amx else
+                "; widened to float32 by the float32 kernels as they are read (no AMX-BF16 tiles "
+                "here), activations float32")
     if dtype in SCHEMES:
         why += ("; weights rounded to nearest in groups of 32: " +
                 ("a scale each (Q8_0)" if WEIGHT_BITS[dtype] == 8 else
@@ -99,5 +106,6 @@ def choose_weights(model, asked: str = "auto") -> dict:
                 ("; activations float32 (weight-only)" if dtype in WITH_INT8_ACTIVATIONS else
                  "; each matmul's input rounded to int8 in blocks of 32, integer dot products"))
     exact = dtype == "float32" or (dtype == "bfloat16" and bf16_exact) or dtype in given_back
-    return {"dtype": dtype, "asked": asked, "why": why, "checkpoint_is_bf16": bf16_exact, "exact": exact}
+    return {"dtype": dtype, "asked": asked, "why": why, "checkpoint_is_bf16": bf16_exact, "exact": exact,
+            "amx_tiles": dtype == "bfloat16" and amx}
 

@@ -40,11 +40,12 @@ def load_engine(path: str | pathlib.Path, max_batch: int = 8, max_len: int = DEF
     if manifest.weights.dtype in SCHEMES:
         target.model.serve(manifest.weights.dtype)
     if manifest.weights.dtype == "bfloat16":
-        if amx_available():
-            target.model.pack_bf16()
-        else:
-            print("angelspec: this CPU has no AMX-BF16 tiles; serving the engine's weights as "
-                  "float32 (outputs can differ from the build machine's)", file=sys.stderr)
+        target.model.pack_bf16()
+        if (manifest.weights.amx_tiles is not False) != amx_available():
+            print("angelspec: this engine's bf16 weights were multiplied "
+                  f"{'on' if manifest.weights.amx_tiles is not False else 'without'} AMX-BF16 tiles "
+                  f"where it was built, {'on' if amx_available() else 'without'} them here: "
+                  "outputs can differ from the build machine's", file=sys.stderr)
     if backend != "eager":  # before any re-profiling: the profile measures the served forward
         use_backend(target.model, backend)
     cost = CostTable.from_json(manifest.dcut.profile)

@@ -73,9 +73,11 @@ class WeightsChoice:
     asked: str
     why: str
     checkpoint_is_bf16: bool
-    exact: bool = False  # the served weights are the checkpoint's own values (float32, int8, int4:
-    # then also float32's numbers; bf16, w8a8 and w4a8 still round the activations entering each
-    # matmul)
+    exact: bool = False  # the served weights are the checkpoint's own values (float32, int8, int4,
+    # and bf16 without AMX tiles: then also float32's numbers; bf16 on AMX tiles, w8a8 and w4a8
+    # still round the activations entering each matmul)
+    amx_tiles: bool | None = None  # bf16 multiplied on AMX tiles (None: built before the key,
+    # when bf16 engines were built on AMX machines only)
 
 
 @dataclass

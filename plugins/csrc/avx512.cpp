@@ -13,6 +13,10 @@ struct V512 {
   static reg zero() { return _mm512_setzero_ps(); }
   static reg set1(float a) { return _mm512_set1_ps(a); }
   static reg load(const float* p) { return _mm512_loadu_ps(p); }
+  static reg load(const uint16_t* p) {  // 16 bf16 -> float32, exactly
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
   static void store(float* p, reg v) { _mm512_storeu_ps(p, v); }
   static reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
   static reg fma(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
@@ -29,6 +33,11 @@ constexpr int kCols512 = 6;
 
 void skinny_blocks_avx512(const float* x, const float* w, float* y, int64_t n, int64_t in,
                           int64_t out, int64_t b0, int64_t b1) {
+  blocks<V512, 4, kCols512>(x, w, y, n, in, out, b0, b1);
+}
+
+void skinny_blocks_bf16_avx512(const float* x, const uint16_t* w, float* y, int64_t n, int64_t in,
+                               int64_t out, int64_t b0, int64_t b1) {
   blocks<V512, 4, kCols512>(x, w, y, n, in, out, b0, b1);
 }
 

@@ -1,4 +1,6 @@
 // y = x @ w.T for few rows (decode and verification forwards): the torch op and its AVX2 kernel.
+// w is float32, or bf16 in plain row order (CPUs without AMX tiles serve bf16 weights so: half
+// the bytes, and bit for bit the float32 kernel's result on the same weight values).
 //
 // Why our own kernel: on these CPUs the BLAS routine picked for 2-16 rows costs ~2x the 1-row one,
 // although the weights (the real cost) are read once either way. Here every weight block is
@@ -11,6 +13,8 @@
 
 void skinny_blocks_avx512(const float* x, const float* w, float* y, int64_t n, int64_t in,
                           int64_t out, int64_t b0, int64_t b1);
+void skinny_blocks_bf16_avx512(const float* x, const uint16_t* w, float* y, int64_t n, int64_t in,
+                               int64_t out, int64_t b0, int64_t b1);
 int64_t skinny_block_cols_avx512();
 
 namespace {
@@ -23,11 +27,27 @@ void skinny_blocks_avx2(const float* x, const float* w, float* y, int64_t n, int
   blocks<V256, 4, kCols256>(x, w, y, n, in, out, b0, b1);
 }
 
+void skinny_blocks_bf16_avx2(const float* x, const uint16_t* w, float* y, int64_t n, int64_t in,
+                             int64_t out, int64_t b0, int64_t b1) {
+  blocks<V256, 4, kCols256>(x, w, y, n, in, out, b0, b1);
+}
+
+template <class W>
+void run(const float* x, const W* w, float* y, int64_t n, int64_t in, int64_t out,
+         void (*avx2)(const float*, const W*, float*, int64_t, int64_t, int64_t, int64_t, int64_t),
+         void (*avx512)(const float*, const W*, float*, int64_t, int64_t, int64_t, int64_t, int64_t)) {
+  const int64_t cols = use_avx512() ? skinny_block_cols_avx512() : kCols256;
+  auto* fn = use_avx512() ? avx512 : avx2;
+  at::parallel_for(0, (out + cols - 1) / cols, 16, [&](int64_t b0, int64_t b1) {
+    fn(x, w, y, n, in, out, b0, b1);
+  });
+}
+
 }  // namespace
 
 torch::Tensor skinny_linear(const torch::Tensor& x, const torch::Tensor& w) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && w.dtype() == torch::kFloat32,
-              "skinny_linear: float32 tensors expected");
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && (w.dtype() == torch::kFloat32 || w.dtype() == torch::kBFloat16),
+              "skinny_linear: float32 x and float32 or bfloat16 w expected, got ", x.dtype(), " and ", w.dtype());
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
               "skinny_linear: x [n, in] and w [out, in] expected, got ", x.sizes(), " and ", w.sizes());
   auto xc = x.contiguous();
@@ -35,13 +55,12 @@ torch::Tensor skinny_linear(const torch::Tensor& x, const torch::Tensor& w) {
   const int64_t n = xc.size(0), in = xc.size(1), out = wc.size(0);
   auto y = torch::empty({n, out}, xc.options());
   const float* xp = xc.data_ptr<float>();
-  const float* wp = wc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t cols = use_avx512() ? skinny_block_cols_avx512() : kCols256;
-  auto* fn = use_avx512() ? &skinny_blocks_avx512 : &skinny_blocks_avx2;
-  at::parallel_for(0, (out + cols - 1) / cols, 16, [&](int64_t b0, int64_t b1) {
-    fn(xp, wp, yp, n, in, out, b0, b1);
-  });
+  if (wc.dtype() == torch::kBFloat16)
+    run(xp, static_cast<const uint16_t*>(wc.data_ptr()), yp, n, in, out, &skinny_blocks_bf16_avx2,
+        &skinny_blocks_bf16_avx512);
+  else
+    run(xp, wc.data_ptr<float>(), yp, n, in, out, &skinny_blocks_avx2, &skinny_blocks_avx512);
   return y;
 }
 

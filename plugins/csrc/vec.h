@@ -2,6 +2,7 @@
 // avx512.cpp defines its AVX-512 twin. Static members, so each file keeps its own copy.
 #pragma once
 #include <immintrin.h>
+#include <stdint.h>
 
 #include <cstdlib>
 
@@ -12,6 +13,10 @@ struct V256 {
   static reg zero() { return _mm256_setzero_ps(); }
   static reg set1(float a) { return _mm256_set1_ps(a); }
   static reg load(const float* p) { return _mm256_loadu_ps(p); }
+  static reg load(const uint16_t* p) {  // 8 bf16 -> float32, exactly
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
   static void store(float* p, reg v) { _mm256_storeu_ps(p, v); }
   static reg mul(reg a, reg b) { return _mm256_mul_ps(a, b); }
   static reg fma(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
