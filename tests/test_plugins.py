@@ -138,7 +138,7 @@ def test_dcut_follows_the_cost_curve():
     flat = dcut_select(conf, lengths, chain, 0.0, 0.0, cn, torch.tensor([0.03, 0.03], dtype=torch.float64), ratios)
     assert float(flat[0]) == 1.0 and counts(flat[1], [4, 4]) == [4, 4]  # free tokens: keep everything
     dear = dcut_select(conf, lengths, chain, 0.0, 0.0, cn, torch.tensor([0.03, 0.975], dtype=torch.float64), ratios)
-    assert float(dear[0]) == 0.25 and counts(dear[1], [4, 4]) == [1, 1]  # each top survival kept
+    assert float(dear[0]) == 0.1875 and counts(dear[1], [4, 4]) == [1, 1]  # each top survival kept
     steep = dcut_select(conf, lengths, chain, 0.0, 0.0, cn, torch.tensor([0.03, 2.0], dtype=torch.float64), ratios)
     assert float(steep[0]) == 0.0 and counts(steep[1], [4, 4]) == [0, 0]  # nothing is worth verifying
     # ties go to the smaller ratio: zero confidence adds nothing
