@@ -51,8 +51,9 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     rows = []
     for p in load_prompts(args.prompts, args.limit):
-        # a fresh engine per prompt: its drafter gate remembers earlier requests, the proof's loop has none
-        engine = load_engine(args.engine, max_batch=1)
+        # a fresh engine per prompt: its drafter gate remembers earlier requests, the proof's loop has
+        # none; float32 weights whatever the engine serves: the export carries the checkpoint's
+        engine = load_engine(args.engine, max_batch=1, weights="float32")
         target = engine.target
         ids = target.encode_chat(p["prompt"])
         res = engine.generate([Request(ids, SamplingParams(max_tokens=args.max_tokens), args.drafter)])[0]

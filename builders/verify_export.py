@@ -9,10 +9,11 @@ the draft writes the new context features into its own cache and drafts one bloc
 newest token, D-cut picks how many of its tokens to verify, and one tree-mode target forward
 checks [newest token, kept drafts] (a chain: each attends to those before it). The target's own
 token at each row decides: the longest agreeing prefix is accepted, plus the target's token
-after it. The target's graph computes in float16 and the engine in float32 (or its own weights),
-so a different token is counted as a near-tie when the target's top-2 logit margin there is
-below `--near-tie` (both tokens are then right answers of their own numerics); the prompt stops
-being compared there. Any other difference fails.
+after it. The target's graph computes in float16 on the checkpoint's weights, and the reference
+(the engine's decode) in float32 on the same weights, whatever the engine serves (bf16 on AMX
+tiles rounds every matmul's input too, w4a8 its activations), so a different token is counted
+as a near-tie when the target's top-2 logit margin there is below `--near-tie` (both tokens are
+then right answers of their own numerics); the prompt stops being compared there. Any other difference fails.
 
 Runs in the export environment; reads <engine>/tensorrt and a reference file of prompts and the
 engine's tokens (written by `angelspec verify-export` in the serving environment, which then

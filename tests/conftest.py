@@ -14,13 +14,34 @@ from angelspec.model import Llama
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
-def check_on_each_isa(script: str) -> None:
-    """Run a kernel check (a script printing "ok") in fresh processes: on this CPU's native path
-    and with AVX-512 turned off (ANGELSPEC_NO_AVX512), so both kernels are covered on one CPU."""
+def run_on_each_isa(script: str) -> list[str]:
+    """Run a script in fresh processes, on this CPU's native path and with AVX-512 turned off
+    (ANGELSPEC_NO_AVX512), so both kernels are covered on one CPU; what each printed."""
+    outs = []
     for env in ({}, {"ANGELSPEC_NO_AVX512": "1"}):
         proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                               env={**os.environ, **env}, timeout=600)
-        assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-2000:]
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        outs.append(proc.stdout)
+    return outs
+
+
+def check_on_each_isa(script: str) -> None:
+    """Run a kernel check (a script printing "ok") on each path (run_on_each_isa)."""
+    assert all("ok" in out for out in run_on_each_isa(script))
+
+
+def rerun_without_amx(test: str) -> None:
+    """Run one test (a pytest node id) again in a fresh process with AMX tiles turned off
+    (ANGELSPEC_NO_AMX), so a CPU with tiles also covers the bf16 path of CPUs without them."""
+    import angelspec.plugins as ops
+
+    if not ops.amx_available():
+        pytest.skip("no AMX tiles on this CPU: the test itself ran the path of CPUs without them")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
+                          capture_output=True, text=True, cwd=REPO, timeout=900,
+                          env={**os.environ, "ANGELSPEC_NO_AMX": "1"})
+    assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
 
 
 def make_checkpoint(path: pathlib.Path, arch: str = "llama", seed: int = 0, **overrides):

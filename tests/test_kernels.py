@@ -1,7 +1,7 @@
 """The C++ kernels: correct, and each row rounds the same whatever else shares the call."""
 import pytest
 import torch
-from conftest import check_on_each_isa
+from conftest import check_on_each_isa, rerun_without_amx
 
 import angelspec.plugins as ops
 
@@ -151,3 +151,7 @@ def test_bf16_weights_serve_losslessly_and_the_checkpoint_unchanged(tmp_path):
         out = eng.generate([Request(x, p, "ngram") for x in ps])
         assert [r.tokens for r in out] == ref
         assert sum(r.stats.accepted for r in out) > 0
+
+
+def test_bf16_weights_serve_losslessly_without_amx_tiles_too():
+    rerun_without_amx("tests/test_kernels.py::test_bf16_weights_serve_losslessly_and_the_checkpoint_unchanged")

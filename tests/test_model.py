@@ -3,7 +3,7 @@ import json
 
 import pytest
 import torch
-from conftest import make_checkpoint
+from conftest import make_checkpoint, rerun_without_amx
 
 from angelspec.checkpoint import CheckpointError, load_target, read_config, read_weights
 from angelspec.model import Llama, Segment
@@ -81,6 +81,11 @@ def test_each_layer_as_one_op_computes_what_the_ops_one_by_one_compute(tmp_path,
             b, hb = ops.forward(toks, ops.batch(segs), caches[1], capture=(1, cfg.num_layers))
             assert torch.equal(a, b) and all(torch.equal(ha[k], hb[k]) for k in hb), (weights, len(toks))
         assert all(torch.equal(x, y) for x, y in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v))
+
+
+def test_each_layer_as_one_op_with_bf16_rows_where_the_cpu_has_tiles():
+    rerun_without_amx("tests/test_model.py::test_each_layer_as_one_op_computes_what_the_ops_one_by_one_compute"
+                      "[llama_linear_rope_bias]")
 
 
 def test_hidden_states_of_chosen_layers(tmp_path):

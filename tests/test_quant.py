@@ -3,7 +3,7 @@ dequantized weights, row-exact; the w8a8 / w4a8 kernel those weights times int8-
 activations, row-exact; a quantized model serves losslessly against itself; a build serves them."""
 import pytest
 import torch
-from conftest import check_on_each_isa, tiny_target
+from conftest import check_on_each_isa, run_on_each_isa, tiny_target
 
 import angelspec.plugins as ops
 from angelspec.runtime import Engine, Request, SamplingParams
@@ -68,6 +68,26 @@ def test_quant_dot_linear_is_int8_activations_times_the_weights_row_exact(scheme
         torch.ops.angelspec.quant_dot_linear(*args[:4], 2)
     with pytest.raises(RuntimeError, match="in / 32"):
         torch.ops.angelspec.quant_dot_linear(args[0], args[1], args[2][:, :1], args[3], w.bits)
+
+
+SAME = r"""
+import hashlib, torch, angelspec.plugins as ops
+g, h = torch.Generator().manual_seed(4), hashlib.sha256()
+for scheme in ("w8a8", "w4a8"):
+    for out_f, in_f in [(577, 64), (48, 576), (9, 96), (40, 1536)]:
+        w = ops.quantize(torch.randn(out_f, in_f, generator=g), scheme)
+        x = torch.randn(11, in_f, generator=g)
+        for n in (1, 2, 5, 11):
+            h.update(ops.linear(x[:n], w).numpy().tobytes())
+print(h.hexdigest())
+"""
+
+
+def test_int8_activation_schemes_give_the_same_bits_on_every_isa():
+    """The integer dot kernel: AVX2's, and AVX512-VNNI's where the CPU has it (one instruction
+    for the integer step), compute the same numbers, so an engine decodes alike on both."""
+    native, avx2 = run_on_each_isa(SAME)
+    assert native == avx2 and len(native.strip()) == 64
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])

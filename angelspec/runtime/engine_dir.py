@@ -28,18 +28,24 @@ from angelspec.runtime.router import DomainClassifier, Router
 
 
 def load_engine(path: str | pathlib.Path, max_batch: int = 8, max_len: int = DEFAULT_MAX_LEN,
-                dcut: bool | None = None, verify: bool = True, target=None):
+                dcut: bool | None = None, verify: bool = True, target=None, weights: str | None = None):
     """An Engine serving the folder's target, drafts, router, backend and D-cut profile. The cost
     table is re-profiled when this machine's fingerprint (kernels included) differs from the build's.
-    `target`: the folder's target, if the caller has already loaded it (<path>/target)."""
+    `target`: the folder's target, if the caller has already loaded it (<path>/target).
+    `weights`: "float32" serves the checkpoint's own weights instead of the manifest's (the
+    reference of `angelspec verify-export`, whose export carries them); the build's D-cut cost
+    table is then kept as it is."""
     path = pathlib.Path(path)
     manifest = read_manifest(path, verify)
+    if weights not in (None, "float32"):
+        raise ValueError(f"load_engine: weights {weights!r}: only float32 (the checkpoint's own) overrides the build's")
+    served = weights or manifest.weights.dtype
     if target is None:
         target = load_target(path / "target", max_len=max(max_len, 64))
     backend = manifest.backend.chosen
-    if manifest.weights.dtype in SCHEMES:
-        target.model.serve(manifest.weights.dtype)
-    if manifest.weights.dtype == "bfloat16":
+    if served in SCHEMES:
+        target.model.serve(served)
+    if served == "bfloat16":
         target.model.pack_bf16()
         if (manifest.weights.amx_tiles is not False) != amx_available():
             print("angelspec: this engine's bf16 weights were multiplied "
@@ -50,7 +56,7 @@ def load_engine(path: str | pathlib.Path, max_batch: int = 8, max_len: int = DEF
         use_backend(target.model, backend)
     cost = CostTable.from_json(manifest.dcut.profile)
     here = fingerprint(backend, target.model.weights)
-    if cost.fingerprint != here:
+    if cost.fingerprint != here and weights is None:
         changed = {k: (cost.fingerprint.get(k), v) for k, v in here.items() if cost.fingerprint.get(k) != v}
         print(f"angelspec: this machine or its kernels differ from the build's ({changed}); "
               "re-profiling the verification cost for D-cut", file=sys.stderr)

@@ -9,6 +9,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <cstring>
 
 void amx_blocks(const uint16_t* x, int64_t n, int64_t in, const uint16_t* w, float* y,
@@ -31,8 +32,10 @@ void check_shapes(int64_t out, int64_t in, const char* op) {
 }  // namespace
 
 // The CPU has AMX-BF16 and Linux granted this process the tile state (asked once).
+// ANGELSPEC_NO_AMX=1 says no (tests and benchmarks use it to run the paths of CPUs without tiles).
 bool amx_available() {
   static const bool yes = [] {
+    if (std::getenv("ANGELSPEC_NO_AMX")) return false;
     unsigned a, b, c, d;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
     const bool tile = d & (1u << 24), bf16 = d & (1u << 22);

@@ -6,7 +6,8 @@
 // term: the order never depends on how many rows share the call, so a verification forward
 // rounds exactly like one-token forwards. Integer steps are exact and the float steps are the
 // same instructions on every CPU with AVX2: these schemes give the same numbers on AVX2 and
-// AVX-512 machines.
+// AVX-512 machines. The integer step is a policy (Madd here; vnni.cpp has one instruction, the
+// same integers, for CPUs with AVX512-VNNI).
 //
 // int4 blocks go two at a time: one 32-byte load holds blocks g and g + 1 (16 bytes each, weight
 // j < 16 in byte j's low nibble, 16 + j in its high nibble: quant_tile.h's layout), so the low
@@ -22,6 +23,18 @@
 namespace {
 
 constexpr int kBlock = 32;
+
+// The int32 sums of four adjacent products of unsigned and signed bytes, in each 32-bit lane,
+// over one pair (dot) or two pairs (dot2) of vectors: exact (no product sum exceeds int16 here).
+struct Madd {
+  static __m256i dot(__m256i u, __m256i s) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+  }
+  static __m256i dot2(__m256i u, __m256i s, __m256i u2, __m256i s2) {
+    return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(u, s), _mm256_maddubs_epi16(u2, s2)),
+                             _mm256_set1_epi16(1));
+  }
+};
 
 inline float hsum256(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -95,12 +108,11 @@ inline void quantize_rows(const float* x, int64_t n, int64_t in, int bits, int8_
 }
 
 // R rows of x (quantized) against C weight rows starting at o.
-template <int Bits, int R, int C>
+template <class Dot, int Bits, int R, int C>
 inline void dot_tile(const int8_t* xq, const float* d, const float* ds, const uint8_t* q,
                      const uint16_t* scale, const uint16_t* offset, float* y, int64_t in, int64_t out,
                      int64_t o) {
   const int64_t blocks = in / kBlock, stride = scale_stride(Bits, blocks);
-  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
@@ -114,8 +126,7 @@ inline void dot_tile(const int8_t* xq, const float* d, const float* ds, const ui
         const __m256 sv = _mm256_set1_ps(_cvtsh_ss(scale[(o + c) * blocks + g]));
         for (int r = 0; r < R; ++r) {
           const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * in + g * kBlock));
-          const __m256i p16 = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, w));
-          const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
+          const __m256 p = _mm256_cvtepi32_ps(Dot::dot(aw, _mm256_sign_epi8(xv, w)));
           acc[r][c] = _mm256_fmadd_ps(_mm256_mul_ps(p, sv), _mm256_broadcast_ss(d + r * stride + g), acc[r][c]);
         }
       }
@@ -136,10 +147,9 @@ inline void dot_tile(const int8_t* xq, const float* d, const float* ds, const ui
         const __m256 sv = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128(s2))), spread);
         for (int r = 0; r < R; ++r) {
           const int8_t* xr = xq + r * in + g * kBlock;
-          const __m256i p16 = _mm256_add_epi16(
-              _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr))),
-              _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 32))));
-          const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
+          const __m256 p = _mm256_cvtepi32_ps(
+              Dot::dot2(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr)),
+                        hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 32))));
           acc[r][c] = _mm256_fmadd_ps(_mm256_mul_ps(p, sv), _mm256_loadu_ps(d + r * stride + g / 2 * 8), acc[r][c]);
         }
       }
@@ -151,7 +161,7 @@ inline void dot_tile(const int8_t* xq, const float* d, const float* ds, const ui
         const __m256 sv = _mm256_set1_ps(_cvtsh_ss(scale[(o + c) * blocks + g]));
         for (int r = 0; r < R; ++r) {
           const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * in + g * kBlock));
-          const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones));
+          const __m256 p = _mm256_cvtepi32_ps(Dot::dot(w, xv));
           acc[r][c] = _mm256_fmadd_ps(_mm256_mul_ps(p, sv), _mm256_loadu_ps(d + r * stride + g / 2 * 8), acc[r][c]);
         }
       }
@@ -178,7 +188,7 @@ inline void dot_tile(const int8_t* xq, const float* d, const float* ds, const ui
 
 // Weight-row blocks [b0, b1) of C rows each (the last block may be partial), all n rows: four at
 // a time (each weight block is unpacked once for all of them), then the 3, 2 or 1 left together.
-template <int Bits, int C>
+template <class Dot, int Bits, int C>
 inline void dot_blocks(const int8_t* xq, const float* d, const float* ds, const uint8_t* q,
                        const uint16_t* scale, const uint16_t* offset, float* y, int64_t n, int64_t in,
                        int64_t out, int64_t b0, int64_t b1) {
@@ -191,16 +201,16 @@ inline void dot_blocks(const int8_t* xq, const float* d, const float* ds, const 
       const float* sr = ds ? ds + r * blocks : nullptr;
       float* yr = y + r * out;
       if (o + C > out) {  // a partial last block: its weight rows one by one
-        for (int64_t oo = o; oo < out; ++oo) dot_tile<Bits, 1, 1>(xr, dr, sr, q, scale, offset, yr, in, out, oo);
+        for (int64_t oo = o; oo < out; ++oo) dot_tile<Dot, Bits, 1, 1>(xr, dr, sr, q, scale, offset, yr, in, out, oo);
         r += 1;
         continue;
       }
       const int64_t rows = n - r < 4 ? n - r : 4;
       switch (rows) {
-        case 4: dot_tile<Bits, 4, C>(xr, dr, sr, q, scale, offset, yr, in, out, o); break;
-        case 3: dot_tile<Bits, 3, C>(xr, dr, sr, q, scale, offset, yr, in, out, o); break;
-        case 2: dot_tile<Bits, 2, C>(xr, dr, sr, q, scale, offset, yr, in, out, o); break;
-        default: dot_tile<Bits, 1, C>(xr, dr, sr, q, scale, offset, yr, in, out, o);
+        case 4: dot_tile<Dot, Bits, 4, C>(xr, dr, sr, q, scale, offset, yr, in, out, o); break;
+        case 3: dot_tile<Dot, Bits, 3, C>(xr, dr, sr, q, scale, offset, yr, in, out, o); break;
+        case 2: dot_tile<Dot, Bits, 2, C>(xr, dr, sr, q, scale, offset, yr, in, out, o); break;
+        default: dot_tile<Dot, Bits, 1, C>(xr, dr, sr, q, scale, offset, yr, in, out, o);
       }
       r += rows;
     }

@@ -1,14 +1,27 @@
 // y = x @ w.T for the w8a8 / w4a8 schemes: int8 or int4 weights (quant_tile.h's layouts, groups
 // of 32) times x rounded to int8 in blocks of 32, with integer dot products (dot_tile.h). One
-// AVX2 kernel for every CPU: its numbers do not depend on the vector width.
+// AVX2 kernel for every CPU: its numbers do not depend on the vector width. CPUs with AVX512-VNNI
+// run vnni.cpp's instance of it (one instruction for the integer step, the same numbers).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <vector>
 
 #include "dot_tile.h"
+#include "vec.h"
+
+int64_t dot_block_cols_vnni(int64_t n);
+void dot_blocks_vnni(int bits, const int8_t* xq, const float* d, const float* ds, const uint8_t* q,
+                     const uint16_t* scale, const uint16_t* offset, float* y, int64_t n, int64_t in,
+                     int64_t out, int64_t b0, int64_t b1);
 
 namespace {
+// ANGELSPEC_NO_AVX512=1 turns it off with the other AVX-512 kernels.
+bool use_vnni() {
+  static const bool yes = use_avx512() && __builtin_cpu_supports("avx512vl") &&
+                          __builtin_cpu_supports("avx512vnni");
+  return yes;
+}
 // weight rows per block: 4 for one x row; 2 for more (up to 4 x rows by 2: 8 accumulators, the
 // unpacked weights, temporaries)
 constexpr int kColsOne = 4, kCols = 2;
@@ -58,11 +71,15 @@ torch::Tensor quant_dot_linear(const torch::Tensor& x, const torch::Tensor& q, c
     quantize_rows(xp + r0 * in, r1 - r0, in, bits, xqp + r0 * in, dp + r0 * stride,
                   dsp ? dsp + r0 * blocks : nullptr);
   });
-  const int64_t cols = n == 1 ? kColsOne : kCols;
-  auto* fn = n == 1 ? (bits == 8 ? &dot_blocks<8, kColsOne> : &dot_blocks<4, kColsOne>)
-                    : (bits == 8 ? &dot_blocks<8, kCols> : &dot_blocks<4, kCols>);
+  const bool vnni = use_vnni();
+  const int64_t cols = vnni ? dot_block_cols_vnni(n) : n == 1 ? kColsOne : kCols;
+  auto* fn = n == 1 ? (bits == 8 ? &dot_blocks<Madd, 8, kColsOne> : &dot_blocks<Madd, 4, kColsOne>)
+                    : (bits == 8 ? &dot_blocks<Madd, 8, kCols> : &dot_blocks<Madd, 4, kCols>);
   at::parallel_for(0, (out + cols - 1) / cols, 16, [&](int64_t b0, int64_t b1) {
-    fn(xqp, dp, dsp, qp, sp, op, yp, n, in, out, b0, b1);
+    if (vnni)
+      dot_blocks_vnni(static_cast<int>(bits), xqp, dp, dsp, qp, sp, op, yp, n, in, out, b0, b1);
+    else
+      fn(xqp, dp, dsp, qp, sp, op, yp, n, in, out, b0, b1);
   });
   return y;
 }
