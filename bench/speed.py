@@ -45,6 +45,15 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags as Linux names them (/proc/cpuinfo)."""
+    try:
+        text = pathlib.Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return next((set(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")), set())
+
+
 def stream_bandwidth(mb: int = 1024, reps: int = 3, buf: torch.Tensor | None = None) -> float:
     """Machine's streaming read bandwidth in GB/s (best of `reps` sums over an `mb` MB buffer)."""
     buf = torch.ones(mb * 2**20 // 4) if buf is None else buf
@@ -168,13 +177,12 @@ class LlamaCppRunner:
 
     def __init__(self, target: Target):
         try:
-            from llama_cpp import Llama
+            import llama_cpp  # noqa: F401
         except ImportError as exc:
             raise ValueError("llamacpp needs llama-cpp-python: `make llamacpp` (builds llama.cpp, "
                              "~10 min on 2 cores)") from exc
-        gguf = gguf_of(target)
-        self.model = Llama(model_path=str(gguf), n_ctx=4096, n_threads=torch.get_num_threads(),
-                           n_batch=512, verbose=False)
+        self.no_repack = llamacpp_without_repack()
+        self.model = load_llamacpp(gguf_of(target), n_ctx=4096, n_threads=torch.get_num_threads())
         self.eos = set(target.eos_ids)
 
     def __call__(self, run: Run, ids: list[list[int]], chunk: list[int], domain: str,
@@ -190,6 +198,32 @@ class LlamaCppRunner:
                     break
             run.outputs[i] = out
             run.add(domain, time.perf_counter() - t0, 0.0, len(out))
+
+
+def llamacpp_without_repack() -> bool:
+    """Whether llama.cpp must run without its extra buffer types on this CPU (AMX-INT8)."""
+    return "amx_int8" in cpu_flags()
+
+
+def load_llamacpp(gguf: pathlib.Path, n_ctx: int, n_threads: int):
+    """llama_cpp.Llama on a GGUF, greedy-ready. On CPUs with AMX-INT8 without its extra buffer
+    types (`llama-cli --no-repack`): its AMX matmul crashed the process on such a machine here
+    (ggml_backend_amx_mul_mat, as in llama.cpp issue 20824)."""
+    import llama_cpp.llama as lib
+
+    defaults = lib.llama_cpp.llama_model_default_params
+
+    def no_extra_buffers():
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+
+    if llamacpp_without_repack():  # Llama() takes no such argument: its default parameters, changed
+        lib.llama_cpp.llama_model_default_params = no_extra_buffers
+    try:
+        return lib.Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=n_threads, n_batch=512, verbose=False)
+    finally:
+        lib.llama_cpp.llama_model_default_params = defaults
 
 
 GGUF_DIR = pathlib.Path("build/gguf")  # GGUFs bench writes for targets not converted from one
@@ -421,6 +455,8 @@ def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_t
         },
         "results": rows,
     }
+    if "llamacpp" in outside:
+        result["config"]["llamacpp_extra_buffers"] = not outside["llamacpp"].no_repack
     if target.model.weights != "float32" and not temperature:
         result["config"]["top1_agreement_with_float32"] = round(
             agreement_with_float32(target.path, ids, ref), 4)
@@ -454,6 +490,9 @@ def format_table(result: dict) -> str:
         if r["drafter"] in OTHER_NUMERICS and r["domain"] == "all":
             lines.append(f"{'':<22} {r['drafter']}'s greedy tokens: {r['same_as_ar']} of {r['n_prompts']} prompts "
                          f"identical to ar's, {100 * r['token_agreement']:.1f}% of tokens before they differ")
+    if cfg.get("llamacpp_extra_buffers") is False:
+        lines.append("llamacpp ran without its extra buffer types (--no-repack): its AMX-INT8 matmul "
+                     "crashed on such a CPU here (llama.cpp issue 20824)")
     if "top1_agreement_with_float32" in cfg:
         lines.append(f"{cfg['weights']} weights: the float32 checkpoint's top-1 token agrees with "
                      f"{100 * cfg['top1_agreement_with_float32']:.1f}% of the greedy tokens "

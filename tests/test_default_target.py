@@ -113,7 +113,7 @@ def test_llamacpp_reference_runs_the_gguf_or_says_how_to_get_it(default_target, 
 
     import angelspec.bench.speed as speed
     from angelspec.bench.gguf import write_gguf
-    from angelspec.bench.speed import agreement, bench, gguf_of
+    from angelspec.bench.speed import agreement, bench, gguf_of, load_llamacpp
 
     assert agreement([1, 2, 3, 4], [1, 2, 9]) == 0.5 and agreement([5], [5]) == 1.0
     prompts = [{"prompt": "What is 2 + 2?", "domain": "math"}]
@@ -145,7 +145,7 @@ def test_llamacpp_reference_runs_the_gguf_or_says_how_to_get_it(default_target, 
     ids = default_target.encode_chat("Write a Python function that reverses a string.")
     greedy = []
     for f in (gguf_folder() / GGUF_FILE, write_gguf(default_target, "int4", tmp_path / "ours.gguf")):
-        m = llama_cpp.Llama(model_path=str(f), n_ctx=512, n_threads=2, verbose=False)
+        m = load_llamacpp(f, n_ctx=512, n_threads=2)
         greedy.append(list(itertools.islice(m.generate(ids, top_k=1, temp=0.0, repeat_penalty=1.0), 24)))
     assert greedy[0] == greedy[1]
 
