@@ -251,7 +251,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                         "router (for auto) and D-cut cost profile")
     b.add_argument("--concurrency", "--batch-size", type=int, default=1,
                    help="requests in flight (continuous batching: a finished request's slot is "
-                        "refilled at once)")
+                        "refilled at once); tokens/s counts the steps while every slot is busy, "
+                        "the whole run's (the drain at the end included) is printed below")
     b.add_argument("--dcut", choices=["off", "on", "both"], default="off",
                    help="D-cut (load-following verification budget): both = every drafter with "
                         "and without it, side by side")

@@ -81,6 +81,9 @@ class Run:
     drafted: list[int] = field(default_factory=list)  # draft tokens (chain or tree) verified
     dcut: bool = False
     used: list = field(default_factory=list)  # the drafter each prompt used (auto routes)
+    # many in flight: tokens and seconds while every slot was busy (run_engine_chunk)
+    steady_tokens: int = 0
+    steady_seconds: float = 0.0
 
     def __post_init__(self):
         self.outputs, self.steps, self.committed = [None] * self.n, [0] * self.n, [0] * self.n
@@ -114,19 +117,36 @@ def run_engine_chunk(engine: Engine, run: Run, ids: list[list[int]], chunk: list
                      domain: str, max_tokens: int, sampling: dict | None = None,
                      drafter: str | None = None) -> None:
     """sampling: temperature and top_p (each prompt sampled with its index as seed); None: greedy.
-    drafter: the one to request (default: the run's)."""
+    drafter: the one to request (default: the run's). The chunk runs with continuous batching;
+    the tokens committed while every slot was busy, and the time they took, are kept apart
+    (Run.steady_*): once the queue is empty the batch drains, and how fast it drains depends on
+    the slowest request left, not on the load the engine serves."""
     params = [SamplingParams(max_tokens=max_tokens, **(dict(sampling, seed=i) if sampling else {}))
               for i in chunk]
     engine.dcut = run.dcut
     st = engine.stats
     t0, p0, s0, d0, f0 = time.perf_counter(), st.prefill_time, st.steps, st.draft_time, st.forward_time
-    results = engine.generate([Request(ids[i], p, drafter or run.drafter) for i, p in zip(chunk, params)])
+    for i, p in zip(chunk, params):
+        engine.submit(Request(ids[i], p, drafter or run.drafter), i)
+    tokens, ends, full, steady = {i: [] for i in chunk}, {}, min(engine.max_batch, len(chunk)), True
+    while engine.busy:
+        events = engine.step()
+        for ev in events:
+            tokens[ev.index] += ev.tokens
+            if ev.finish_reason:
+                ends[ev.index] = ev
+        if steady:
+            run.steady_tokens += sum(len(ev.tokens) for ev in events)
+            if not engine.pending and len(engine.active) < full:  # a slot stays free from now on
+                run.steady_seconds += time.perf_counter() - t0
+                steady = False
     run.add(domain, time.perf_counter() - t0, st.prefill_time - p0, st.steps - s0)
     run.draft_time += st.draft_time - d0
     run.forward_time += st.forward_time - f0
-    for i, r in zip(chunk, results):
-        run.outputs[i], run.steps[i], run.committed[i] = r.tokens, r.stats.steps, r.stats.committed
-        run.drafted[i], run.used[i] = r.stats.drafted, r.drafter
+    for i in chunk:
+        ev = ends[i]
+        run.outputs[i], run.steps[i], run.committed[i] = tokens[i], ev.stats.steps, ev.stats.committed
+        run.drafted[i], run.used[i] = ev.stats.drafted, ev.drafter
 
 
 class HFRunner:
@@ -421,6 +441,10 @@ def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_t
             if timed:
                 secs, pre, forwards = pick(run.seconds), pick(run.prefill), pick(run.forwards)
                 tps = new * rounds / secs
+                if batch_size > 1 and run.steady_seconds:  # the load asked for, not the drain
+                    row.update(drained_tokens_per_s=round(tps, 2), busy_tokens=run.steady_tokens,
+                               busy_seconds=round(run.steady_seconds, 3))
+                    tps = run.steady_tokens / run.steady_seconds
                 if run.drafter == "ar":
                     ar_tps[dom] = tps
                 # weights read per second while decoding: one read per verification forward
@@ -490,6 +514,11 @@ def format_table(result: dict) -> str:
         if r["drafter"] in OTHER_NUMERICS and r["domain"] == "all":
             lines.append(f"{'':<22} {r['drafter']}'s greedy tokens: {r['same_as_ar']} of {r['n_prompts']} prompts "
                          f"identical to ar's, {100 * r['token_agreement']:.1f}% of tokens before they differ")
+    drained = [(r["drafter"] + ("+dcut" if r.get("dcut") else ""), r["drained_tokens_per_s"])
+               for r in result["results"] if "drained_tokens_per_s" in r]
+    if drained:
+        lines.append(f"tok/s at {cfg['concurrency']} in flight: while every slot was busy; whole runs, the "
+                     "drain at the end included: " + ", ".join(f"{d} {v:.2f}" for d, v in drained))
     if cfg.get("llamacpp_extra_buffers") is False:
         lines.append("llamacpp ran without its extra buffer types (--no-repack): its AMX-INT8 matmul "
                      "crashed on such a CPU here (llama.cpp issue 20824)")
