@@ -443,7 +443,7 @@ def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_t
                 tps = new * rounds / secs
                 if batch_size > 1 and run.steady_seconds:  # the load asked for, not the drain
                     row.update(drained_tokens_per_s=round(tps, 2), busy_tokens=run.steady_tokens,
-                               busy_seconds=round(run.steady_seconds, 3))
+                               busy_seconds=round(run.steady_seconds, 6))
                     tps = run.steady_tokens / run.steady_seconds
                 if run.drafter == "ar":
                     ar_tps[dom] = tps

@@ -227,8 +227,9 @@ def test_bench_cli_with_engine_concurrency_dcut_and_auto(parts, tmp_path):
     assert res["config"]["rounds"] == 2
     drained = ar["drained_tokens_per_s"]
     assert abs(drained - 2 * ar["new_tokens"] / ar["seconds"]) < 0.02 * drained
-    # tokens/s counts the steps with both slots busy: fewer tokens than the whole run's, in less time
-    assert 0 < ar["busy_tokens"] < 2 * ar["new_tokens"] and 0 < ar["busy_seconds"] < ar["seconds"]
+    # tokens/s counts the steps with both slots busy: at most the whole run's tokens and time (all
+    # of them where every chunk's requests end together)
+    assert 0 < ar["busy_tokens"] <= 2 * ar["new_tokens"] and 0 < ar["busy_seconds"] <= ar["seconds"] + 1e-3
     assert abs(ar["tokens_per_s"] - ar["busy_tokens"] / ar["busy_seconds"]) < 0.01 * ar["tokens_per_s"]
     assert "while every slot was busy" in proc.stdout
     assert rows[("dfly", True, "chat")]["tokens_per_s"] is None  # mixed batches: time for all only

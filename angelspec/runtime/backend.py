@@ -27,19 +27,21 @@ def use_backend(model: Llama, backend: str) -> None:
 
 
 WEIGHTS = ("auto", "float32", "bfloat16") + SCHEMES
+LOADED = 16  # requests in flight for choose_weights' second measurement
 
 
-def decode_ms(model: Llama, context: int = 256, reps: int = 9) -> float:
-    """Median ms of one one-token forward after `context` cached tokens (a decoding step)."""
-    cache = model.new_cache(1, context + 2)
+def decode_ms(model: Llama, context: int = 256, reps: int = 9, requests: int = 1) -> float:
+    """Median ms of a decoding step: one token for each of `requests` requests, after `context`
+    cached tokens each."""
+    cache = model.new_cache(requests, context + 2)
     toks = torch.arange(context + 1) % model.cfg.vocab_size
-    model.forward(toks[:context], model.batch([Segment(0, 0, context)]), cache,
-                  logit_rows=torch.tensor([context - 1]))
-    step = model.batch([Segment(0, context, 1)])
+    model.forward(toks[:context].repeat(requests), model.batch([Segment(r, 0, context) for r in range(requests)]),
+                  cache, logit_rows=torch.arange(1, requests + 1) * context - 1)
+    step = model.batch([Segment(r, context, 1) for r in range(requests)])
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        model.forward(toks[context:], step, cache)
+        model.forward(toks[context:].repeat(requests), step, cache)
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1000
 
@@ -55,7 +57,8 @@ def choose_weights(model, asked: str = "auto") -> dict:
     blocks (the default target), and then also w8a8 / w4a8 (those weights, each matmul's input
     rounded to int8 in blocks of 32 as llama.cpp rounds it: integer dot products). Otherwise
     int8 / int4 change the model's outputs more than bf16 does (`angelspec bench` reports how
-    much), so that is the user's call: asked for by name."""
+    much), so that is the user's call: asked for by name. A step of 16 requests is timed too and
+    reported with the option that serves such a load fastest, when that is another one."""
     if asked not in WEIGHTS:
         raise ValueError(f"unknown weights {asked!r} ({', '.join(WEIGHTS)})")
     amx, bf16_exact = amx_available(), model.bf16_exact()
@@ -82,13 +85,21 @@ def choose_weights(model, asked: str = "auto") -> dict:
                     times[w].append(decode_ms(m))
             measured = {w: round(statistics.median(t), 3) for w, t in times.items()}
             dtype = min(measured, key=measured.get)
+            # the same under load: a step of LOADED requests (a ranking can turn, as bf16 on AMX
+            # tiles against w4a8); reported, the choice stays batch 1's
+            loaded = {w: decode_ms(m, context=128, reps=3, requests=LOADED) for w, m in models.items()}
+            under_load = min(loaded, key=loaded.get)
             weight_only = sorted(w for w in given_back if w in WITH_INT8_ACTIVATIONS)
             if "bfloat16" in models and not amx:
                 weight_only.insert(0, "bfloat16")
             verb = "gives" if len(weight_only) == 1 else "give"
             why += (f"; {' and '.join(weight_only)} {verb} back the checkpoint's weights exactly; "
                     "a decoding step measured here: " +
-                    ", ".join(f"{w} {ms:.2f} ms" for w, ms in measured.items()) + f"; {dtype} the fastest")
+                    ", ".join(f"{w} {ms:.2f} ms" for w, ms in measured.items()) + f"; {dtype} the fastest"
+                    f"; a step of {LOADED} requests: " +
+                    ", ".join(f"{w} {ms:.1f} ms" for w, ms in loaded.items()) +
+                    ("" if under_load == dtype else
+                     f" (for throughput at {LOADED} in flight, --weights {under_load})"))
     else:
         dtype, why = asked, "asked for"
         if dtype in SCHEMES and model.gives_back(model.served_as(dtype)):
