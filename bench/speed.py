@@ -15,7 +15,6 @@ import itertools
 import json
 import os
 import pathlib
-import platform
 import statistics
 import sys
 import time
@@ -29,29 +28,10 @@ from angelspec.checkpoint import Target, load_target
 from angelspec.default_target import gguf_folder
 from angelspec.model import Segment
 from angelspec.runtime import Engine, Request, SamplingParams, settle_heap
-from angelspec.runtime.cost import profile
+from angelspec.runtime.cost import cpu_flags, cpu_model, profile
 from angelspec.runtime.engine_dir import load_engine
 
 NEAR_TIE_EPS = 1e-4
-
-
-def cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def cpu_flags() -> set[str]:
-    """This CPU's feature flags as Linux names them (/proc/cpuinfo)."""
-    try:
-        text = pathlib.Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    return next((set(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")), set())
 
 
 def stream_bandwidth(mb: int = 1024, reps: int = 3, buf: torch.Tensor | None = None) -> float:

@@ -17,17 +17,30 @@ from angelspec.plugins import SKINNY_MAX_ROWS
 from angelspec.plugins.build import sources_hash
 
 
+def _cpuinfo(field: str) -> str | None:
+    """The first `field` line of /proc/cpuinfo (Linux), or None."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith(field)), None)
+    except OSError:
+        return None
+
+
+def cpu_model() -> str:
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags as Linux names them."""
+    return set((_cpuinfo("flags") or "").split())
+
+
 def fingerprint(backend: str = "eager", weights: str = "float32") -> dict:
     """What the cost of a forward depends on: CPU model, cores, torch version and threads,
     backend, the dtype of the matmul weights, and the kernels' sources (a kernel that changed,
     fused layers for one, changes the cost of a verified token: a profile made with the old ones
     misleads D-cut)."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = cpu_model()
     if torch.cuda.is_available():
         cpu += " + " + torch.cuda.get_device_name(0)
     return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,

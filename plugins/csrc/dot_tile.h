@@ -186,6 +186,10 @@ inline void dot_tile(const int8_t* xq, const float* d, const float* ds, const ui
     }
 }
 
+// The signature of dot_blocks' instances: quant_dot.cpp picks one (vnni.cpp hands out its own).
+using DotBlocks = void (*)(const int8_t*, const float*, const float*, const uint8_t*, const uint16_t*,
+                           const uint16_t*, float*, int64_t, int64_t, int64_t, int64_t, int64_t);
+
 // Weight-row blocks [b0, b1) of C rows each (the last block may be partial), all n rows: four at
 // a time (each weight block is unpacked once for all of them), then the 3, 2 or 1 left together.
 template <class Dot, int Bits, int C>

@@ -10,10 +10,7 @@
 #include "dot_tile.h"
 #include "vec.h"
 
-int64_t dot_block_cols_vnni(int64_t n);
-void dot_blocks_vnni(int bits, const int8_t* xq, const float* d, const float* ds, const uint8_t* q,
-                     const uint16_t* scale, const uint16_t* offset, float* y, int64_t n, int64_t in,
-                     int64_t out, int64_t b0, int64_t b1);
+DotBlocks dot_blocks_vnni(int64_t bits, int64_t n, int64_t* cols);
 
 namespace {
 // ANGELSPEC_NO_AVX512=1 turns it off with the other AVX-512 kernels.
@@ -71,15 +68,13 @@ torch::Tensor quant_dot_linear(const torch::Tensor& x, const torch::Tensor& q, c
     quantize_rows(xp + r0 * in, r1 - r0, in, bits, xqp + r0 * in, dp + r0 * stride,
                   dsp ? dsp + r0 * blocks : nullptr);
   });
-  const bool vnni = use_vnni();
-  const int64_t cols = vnni ? dot_block_cols_vnni(n) : n == 1 ? kColsOne : kCols;
-  auto* fn = n == 1 ? (bits == 8 ? &dot_blocks<Madd, 8, kColsOne> : &dot_blocks<Madd, 4, kColsOne>)
-                    : (bits == 8 ? &dot_blocks<Madd, 8, kCols> : &dot_blocks<Madd, 4, kCols>);
+  int64_t cols = n == 1 ? kColsOne : kCols;
+  const DotBlocks fn =
+      use_vnni() ? dot_blocks_vnni(bits, n, &cols)
+                 : n == 1 ? (bits == 8 ? &dot_blocks<Madd, 8, kColsOne> : &dot_blocks<Madd, 4, kColsOne>)
+                          : (bits == 8 ? &dot_blocks<Madd, 8, kCols> : &dot_blocks<Madd, 4, kCols>);
   at::parallel_for(0, (out + cols - 1) / cols, 16, [&](int64_t b0, int64_t b1) {
-    if (vnni)
-      dot_blocks_vnni(static_cast<int>(bits), xqp, dp, dsp, qp, sp, op, yp, n, in, out, b0, b1);
-    else
-      fn(xqp, dp, dsp, qp, sp, op, yp, n, in, out, b0, b1);
+    fn(xqp, dp, dsp, qp, sp, op, yp, n, in, out, b0, b1);
   });
   return y;
 }

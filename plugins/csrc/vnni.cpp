@@ -17,13 +17,10 @@ struct Vnni {
 
 #include "dot_tile.h"
 
-// With 32 vector registers, wider tiles than AVX2's: 8 weight rows for one x row, 4 for more.
-int64_t dot_block_cols_vnni(int64_t n) { return n == 1 ? 8 : 4; }
-
-void dot_blocks_vnni(int bits, const int8_t* xq, const float* d, const float* ds, const uint8_t* q,
-                     const uint16_t* scale, const uint16_t* offset, float* y, int64_t n, int64_t in,
-                     int64_t out, int64_t b0, int64_t b1) {
-  auto* fn = n == 1 ? (bits == 8 ? &dot_blocks<Vnni, 8, 8> : &dot_blocks<Vnni, 4, 8>)
-                    : (bits == 8 ? &dot_blocks<Vnni, 8, 4> : &dot_blocks<Vnni, 4, 4>);
-  fn(xq, d, ds, q, scale, offset, y, n, in, out, b0, b1);
+// The instance for `bits` and n x rows, and its weight rows per block (*cols): with 32 vector
+// registers, wider tiles than AVX2's, 8 weight rows for one x row, 4 for more.
+DotBlocks dot_blocks_vnni(int64_t bits, int64_t n, int64_t* cols) {
+  *cols = n == 1 ? 8 : 4;
+  return n == 1 ? (bits == 8 ? &dot_blocks<Vnni, 8, 8> : &dot_blocks<Vnni, 4, 8>)
+                : (bits == 8 ? &dot_blocks<Vnni, 8, 4> : &dot_blocks<Vnni, 4, 4>);
 }
