@@ -34,6 +34,12 @@ def test_sources_are_deterministic_deduplicated_and_clean(domain):
         assert not any(f in r["source"].lower() for f in FORBIDDEN)
 
 
+def test_code_source_holds_the_presets_prompts():
+    """Functions and methods of the standard library: the quick and full presets' 1,200 code
+    prompts and their held-out share (1 in 8 of the draw) without running dry."""
+    assert len(prompts("code", 1500, seed=0)) == 1500
+
+
 def test_no_preset_trains_on_another_presets_held_out_prompts(default_target, tmp_path):
     """The split is decided by each prompt's hash, not by its place in a draw: a smaller and a
     larger data step (the quick and full presets draw different lists) never cross it."""
@@ -90,9 +96,11 @@ def test_build_writes_shards_features_manifest_and_heldout(built, default_target
     assert m["layers"][-1] == default_target.config.num_layers and m["hidden_size"] == 576
     assert m["generation_tokens_per_s"] > 0
     assert m["generation"]["drafter"] == "ngram"
-    # the weights an engine built here serves (auto: the fastest of float32 or bf16 with AMX, and
-    # the default target's exact int4 (recorded as float32) or w4a8); the caller's target is left
+    # weights an engine built here may serve (auto: of float32 or bf16 with AMX, and the default
+    # target's exact int4 (recorded as float32) or w4a8, the fastest with 16 requests in flight,
+    # said in the manifest); the caller's target is left as it is
     assert m["generation"]["weights"] in ("float32", "w4a8") + (("bfloat16",) if amx_available() else ())
+    assert "a step of 16 requests" in m["weights_why"]
     assert default_target.model.weights == "float32"
     held = load_prompts(out / "heldout.jsonl")
     assert sorted(r["domain"] for r in held) == list(DOMAINS)

