@@ -137,6 +137,10 @@ def _functions(path: pathlib.Path):
     except (SyntaxError, UnicodeDecodeError, ValueError):
         return
     lines = src.splitlines()
+
+    def text(*spans):  # source lines [a, b) of each span, dedented (a method's indentation)
+        return textwrap.dedent("\n".join(l for a, b in spans for l in lines[a:b]))
+
     nodes = [(n, False) for n in tree.body]
     nodes += [(m, True) for c in tree.body if isinstance(c, ast.ClassDef) and not c.name.startswith("_")
               for m in c.body]
@@ -148,7 +152,6 @@ def _functions(path: pathlib.Path):
         if not doc or not 3 <= node.end_lineno - start + 1 <= 40:
             continue
         d = node.body[0]
-        text = lambda *spans: textwrap.dedent("\n".join(l for a, b in spans for l in lines[a:b]))  # noqa: E731
         code = text((start - 1, node.end_lineno))
         head = text((start - 1, d.end_lineno))
         bare = text((start - 1, d.lineno - 1), (d.end_lineno, node.end_lineno))
