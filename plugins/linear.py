@@ -88,7 +88,8 @@ class QuantWeight:
     such a GGUF (the default target's is Q4_1 with a Q8_0 embedding) comes back exactly.
     int8_activations (w8a8 / w4a8): `linear` rounds x to int8 in blocks of GROUP first, and the
     scales and minima are float16, as in the GGUF blocks (a float32 one is rounded to float16
-    before the weights are rounded to its levels): a sixth fewer bytes per int4 weight."""
+    before the weights are rounded to its levels): a sixth fewer bytes per int4 weight. q, scale
+    and offset then keep their shapes but lie in tiles of TILE rows (`tile_for_dot`)."""
     q: torch.Tensor
     scale: torch.Tensor  # float32 [out, in // GROUP] (float16 with int8_activations)
     bits: int
@@ -108,15 +109,52 @@ class QuantWeight:
         """The float32 weights this serves: q * scale (+ offset), each operation rounded, as the
         kernel computes them."""
         out, cols = self.shape
+        q, scale, offset = (untile_for_dot(self) if self.int8_activations
+                            else (self.q, self.scale, self.offset))
         if self.bits == 8:
-            q = self.q.float()
+            q = q.float()
         else:
-            b = self.q.view(out, -1, 1, 16)
+            b = q.view(out, -1, 1, 16)
             q = torch.cat([b & 15, b >> 4], dim=2).view(out, cols).float()
-        w = q.view(out, -1, GROUP) * self.scale.float()[..., None]
-        if self.offset is not None:
-            w = w + self.offset.float()[..., None]
+        w = q.view(out, -1, GROUP) * scale.float()[..., None]
+        if offset is not None:
+            w = w + offset.float()[..., None]
         return w.view(out, cols)
+
+
+TILE = 16  # rows per tile of the w8a8 / w4a8 layout
+
+
+def tile_for_dot(levels: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
+                 bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Levels [out, in] (int8, or int4's 0-15 as uint8), scales and minima [out, in / GROUP] ->
+    the layout of the integer dot kernel (csrc/dot_tile.h), same shapes as the plain layout: for
+    each tile of TILE rows and each block of GROUP inputs, the 16 rows' scales (and minima), and
+    the weights in groups of 4 consecutive inputs times the 16 rows (int4: a byte holds input k in
+    its low nibble and k + 16 in its high one)."""
+    out, cols = levels.shape
+    t, b = out // TILE, cols // GROUP
+    per_tile = lambda v: v.view(t, TILE, b).transpose(1, 2).reshape(out, b).contiguous()  # noqa: E731
+    if bits == 8:
+        q = levels.view(t, TILE, b, 8, 4).permute(0, 2, 3, 1, 4).reshape(out, cols)
+    else:  # (tile, row, block, half, group, input) -> (tile, block, group, row, input, half)
+        u = levels.view(t, TILE, b, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)
+        q = (u[..., 0] | (u[..., 1] << 4)).reshape(out, cols // 2)
+    return q.contiguous(), per_tile(scale), None if offset is None else per_tile(offset)
+
+
+def untile_for_dot(w: "QuantWeight") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A w8a8 / w4a8 weight's q, scale and offset in the plain layout (`quantize`'s)."""
+    out, cols = w.shape
+    t, b = out // TILE, cols // GROUP
+    per_row = lambda v: v.view(t, b, TILE).transpose(1, 2).reshape(out, b)  # noqa: E731
+    if w.bits == 8:
+        q = w.q.view(t, b, 8, TILE, 4).permute(0, 3, 1, 2, 4).reshape(out, cols)
+    else:  # (tile, block, group, row, input, half) -> (tile, row, block, half, group, input)
+        v = w.q.view(t, b, 4, TILE, 4)
+        u = torch.stack([v & 15, v >> 4], dim=-1).permute(0, 3, 1, 5, 2, 4).reshape(out, b, 2, 16)
+        q = (u[:, :, 0] | (u[:, :, 1] << 4)).reshape(out, cols // 2)
+    return q, per_row(w.scale), None if w.offset is None else per_row(w.offset)
 
 
 def can_quantize(w: torch.Tensor) -> bool:
@@ -133,23 +171,29 @@ def quantize(w: torch.Tensor, scheme: str) -> QuantWeight:
     if not can_quantize(w):
         raise ValueError(f"{scheme}: rows of a multiple of {GROUP} weights expected, got {tuple(w.shape)}")
     out, cols = w.shape
-    g = w.float().reshape(out, -1, GROUP)
     a8 = scheme in WITH_INT8_ACTIVATIONS.values()
+    if a8 and out % TILE:  # the integer dot kernel takes tiles of TILE rows: weight-only instead
+        return quantize(w, {v: k for k, v in WITH_INT8_ACTIVATIONS.items()}[scheme])
+    g = w.float().reshape(out, -1, GROUP)
     # a8: float16 scales and minima, rounded before the weights are rounded to their levels
     dtype = torch.float16 if a8 else torch.float32
     tiny = 2.0 ** -24 if a8 else torch.finfo(torch.float32).tiny  # the smallest usable scale
     stored = lambda t: t.to(dtype).float()  # noqa: E731
     if WEIGHT_BITS[scheme] == 8:
         scale = stored((g.abs().amax(2) / 127).clamp_min(tiny))
-        q = torch.round(g / scale[..., None]).clamp(-127, 127)
-        return QuantWeight(q.to(torch.int8).view(out, cols).contiguous(), scale.to(dtype).contiguous(), 8,
-                           int8_activations=a8)
+        q = torch.round(g / scale[..., None]).clamp(-127, 127).to(torch.int8).view(out, cols)
+        if a8:
+            return QuantWeight(*tile_for_dot(q, scale.to(dtype), None, 8)[:2], 8, int8_activations=True)
+        return QuantWeight(q.contiguous(), scale.contiguous(), 8)
     low = stored(g.amin(2))
     scale = stored(((g.amax(2) - low) / 15).clamp_min(tiny))
-    q = torch.round((g - low[..., None]) / scale[..., None]).clamp(0, 15)
-    u = q.to(torch.uint8).view(out, -1, 2, 16)
+    q = torch.round((g - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
+    if a8:
+        q, s, m = tile_for_dot(q.view(out, cols), scale.to(dtype), low.to(dtype), 4)
+        return QuantWeight(q, s, 4, m, True)
+    u = q.view(out, -1, 2, 16)
     return QuantWeight((u[:, :, 0] | (u[:, :, 1] << 4)).reshape(out, -1).contiguous(),
-                       scale.to(dtype).contiguous(), 4, low.to(dtype).contiguous(), a8)
+                       scale.contiguous(), 4, low.contiguous())
 
 
 def served(w: torch.Tensor, weights: str, logits: bool = False):

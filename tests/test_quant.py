@@ -48,7 +48,7 @@ def test_quant_dot_linear_is_int8_activations_times_the_weights_row_exact(scheme
     the dequantized weights up to float32 accumulation, and each row rounds alike whatever the
     rows around it (1, 2, odd counts, more than SKINNY_MAX_ROWS)."""
     g = torch.Generator().manual_seed(2)
-    for out_f, in_f in [(577, 64), (48, 576), (7, 1536), (9, 96)]:  # 96: an odd last block
+    for out_f, in_f in [(576, 64), (48, 576), (16, 1536), (32, 96)]:  # 96: an odd number of blocks
         w = ops.quantize(torch.randn(out_f, in_f, generator=g), scheme)
         assert w.int8_activations and w.bits == (8 if scheme == "w8a8" else 4)
         x = torch.randn(133, in_f, generator=g) * torch.rand(133, 1, generator=g) * 4
@@ -59,23 +59,38 @@ def test_quant_dot_linear_is_int8_activations_times_the_weights_row_exact(scheme
         assert torch.equal(y[5], torch.zeros(out_f))
         for a, b in ((0, 1), (0, 2), (3, 10), (18, 19), (1, 133)):
             assert torch.equal(ops.linear(x[a:b], w), y[a:b]), (scheme, out_f, a, b)
-    weight_only = ops.quantize(torch.randn(8, 64, generator=g), scheme.replace("w8a8", "int8").replace("w4a8", "int4"))
-    assert not weight_only.int8_activations
-    args = (torch.randn(3, 64), w.q[:, : 64 // (8 // w.bits)].contiguous(), w.scale[:, :2].contiguous(),
-            None if w.offset is None else w.offset[:, :2].contiguous(), w.bits)
+    weight_only = scheme.replace("w8a8", "int8").replace("w4a8", "int4")
+    assert not ops.quantize(torch.randn(8, 64, generator=g), weight_only).int8_activations
+    # the kernel takes tiles of 16 rows: other matrices are served weight-only
+    odd = ops.quantize(torch.randn(24, 64, generator=g), scheme)
+    assert not odd.int8_activations and odd.bits == w.bits
+    # the tiled layout gives back a GGUF block's weights (float16 scales and minima) exactly
+    lo, hi = (-127, 127) if w.bits == 8 else (0, 15)
+    levels = torch.randint(lo, hi + 1, (32, 4, 32), generator=g)
+    levels[..., 0], levels[..., 1] = lo, hi
+    gguf = levels * (torch.rand(32, 4, 1, generator=g) / 50).half().float()
+    if w.bits == 4:
+        gguf = gguf + (torch.randn(32, 4, 1, generator=g) / 10).half().float()
+    assert torch.equal(ops.quantize(gguf.view(32, 128), scheme).dequantized(), gguf.view(32, 128))
+    small = ops.quantize(torch.randn(16, 64, generator=g), scheme)
+    args = (torch.randn(3, 64), small.q, small.scale, small.offset, small.bits)
     torch.library.opcheck(torch.ops.angelspec.quant_dot_linear, args)
     with pytest.raises(RuntimeError, match="bits must be 8 or 4"):
         torch.ops.angelspec.quant_dot_linear(*args[:4], 2)
     with pytest.raises(RuntimeError, match="in / 32"):
         torch.ops.angelspec.quant_dot_linear(args[0], args[1], args[2][:, :1], args[3], w.bits)
+    with pytest.raises(RuntimeError, match="tiles of 16 rows"):
+        torch.ops.angelspec.quant_dot_linear(args[0], args[1][:8], args[2][:8],
+                                             None if args[3] is None else args[3][:8], w.bits)
 
 
 SAME = r"""
 import hashlib, torch, angelspec.plugins as ops
 g, h = torch.Generator().manual_seed(4), hashlib.sha256()
 for scheme in ("w8a8", "w4a8"):
-    for out_f, in_f in [(577, 64), (48, 576), (9, 96), (40, 1536)]:
+    for out_f, in_f in [(576, 64), (48, 576), (32, 96), (48, 1536)]:
         w = ops.quantize(torch.randn(out_f, in_f, generator=g), scheme)
+        assert w.int8_activations
         x = torch.randn(11, in_f, generator=g)
         for n in (1, 2, 5, 11):
             h.update(ops.linear(x[:n], w).numpy().tobytes())
@@ -84,8 +99,9 @@ print(h.hexdigest())
 
 
 def test_int8_activation_schemes_give_the_same_bits_on_every_isa():
-    """The integer dot kernel: AVX2's, and AVX512-VNNI's where the CPU has it (one instruction
-    for the integer step), compute the same numbers, so an engine decodes alike on both."""
+    """The integer dot kernel: AVX2's, and AVX512-VNNI's where the CPU has it (a tile of 16
+    outputs per vector, one instruction for the integer step), compute the same numbers, so an
+    engine decodes alike on both."""
     native, avx2 = run_on_each_isa(SAME)
     assert native == avx2 and len(native.strip()) == 64
 

@@ -1,7 +1,7 @@
-// y = x @ w.T for the w8a8 / w4a8 schemes: int8 or int4 weights (quant_tile.h's layouts, groups
-// of 32) times x rounded to int8 in blocks of 32, with integer dot products (dot_tile.h). One
-// AVX2 kernel for every CPU: its numbers do not depend on the vector width. CPUs with AVX512-VNNI
-// run vnni.cpp's instance of it (one instruction for the integer step, the same numbers).
+// y = x @ w.T for the w8a8 / w4a8 schemes: int8 or int4 weights in tiles of 16 outputs
+// (dot_tile.h's layout, groups of 32 inputs) times x rounded to int8 in blocks of 32, with
+// integer dot products. One AVX2 kernel for every CPU; CPUs with AVX512-VNNI run vnni.cpp's (a
+// whole tile per vector, one instruction for the integer step): the same numbers.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -10,22 +10,19 @@
 #include "dot_tile.h"
 #include "vec.h"
 
-DotBlocks dot_blocks_vnni(int64_t bits, int64_t n, int64_t* cols);
+DotTiles dot_tiles_vnni_for(int64_t bits);
 
 namespace {
 // ANGELSPEC_NO_AVX512=1 turns it off with the other AVX-512 kernels.
 bool use_vnni() {
-  static const bool yes = use_avx512() && __builtin_cpu_supports("avx512vl") &&
-                          __builtin_cpu_supports("avx512vnni");
+  static const bool yes = use_avx512() && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
   return yes;
 }
-// weight rows per block: 4 for one x row; 2 for more (up to 4 x rows by 2: 8 accumulators, the
-// unpacked weights, temporaries)
-constexpr int kColsOne = 4, kCols = 2;
-}
+}  // namespace
 
-// x float32 [n, in]; q int8 [out, in] (bits 8) or uint8 [out, in / 2] (bits 4); scale float16
-// [out, in / 32]; offset (bits 4 only, required) like scale.
+// x float32 [n, in]; q int8 [out, in] (bits 8) or uint8 [out, in / 2] (bits 4), tiled; scale
+// float16 [out, in / 32], tiled; offset (bits 4 only, required) like scale. out a multiple of 16.
 torch::Tensor quant_dot_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
                                const std::optional<torch::Tensor>& offset, int64_t bits) {
   TORCH_CHECK(bits == 8 || bits == 4, "quant_dot_linear: bits must be 8 or 4, got ", bits);
@@ -37,6 +34,7 @@ torch::Tensor quant_dot_linear(const torch::Tensor& x, const torch::Tensor& q, c
   const int64_t n = x.size(0), in = x.size(1), out = q.size(0);
   TORCH_CHECK(q.size(1) * (bits == 8 ? 1 : 2) == in && in % kBlock == 0, "quant_dot_linear: q ",
               q.sizes(), " does not match x ", x.sizes(), " (rows of a multiple of 32 weights)");
+  TORCH_CHECK(out % kTile == 0, "quant_dot_linear: weights come in tiles of 16 rows, got ", out, " rows");
   TORCH_CHECK(scale.dtype() == torch::kFloat16 && scale.dim() == 2 && scale.size(0) == out &&
                   scale.size(1) == in / kBlock,
               "quant_dot_linear: scale must be float16 [out, in / 32], got ", scale.dtype(), " ", scale.sizes());
@@ -51,30 +49,25 @@ torch::Tensor quant_dot_linear(const torch::Tensor& x, const torch::Tensor& q, c
   auto sc = scale.contiguous();
   auto y = torch::empty({n, out}, xc.options());
   // x's int8 levels and scales: scratch of the calling thread, reused from call to call
-  const int64_t blocks = in / kBlock, stride = scale_stride(bits, blocks);
+  const int64_t blocks = in / kBlock;
   thread_local std::vector<int8_t> xq_buf;
   thread_local std::vector<float> d_buf;
   xq_buf.resize(n * in);
-  d_buf.resize(n * (stride + (bits == 4 ? blocks : 0)));
+  d_buf.resize(2 * n * blocks);
   int8_t* xqp = xq_buf.data();
   float* dp = d_buf.data();
-  float* dsp = bits == 4 ? dp + n * stride : nullptr;
+  float* dsp = dp + n * blocks;
   const float* xp = xc.data_ptr<float>();
   const uint8_t* qp = static_cast<const uint8_t*>(qc.data_ptr());
   const uint16_t* sp = static_cast<const uint16_t*>(sc.data_ptr());
   const uint16_t* op = offset ? static_cast<const uint16_t*>(oc.data_ptr()) : nullptr;
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, n, 64, [&](int64_t r0, int64_t r1) {
-    quantize_rows(xp + r0 * in, r1 - r0, in, bits, xqp + r0 * in, dp + r0 * stride,
-                  dsp ? dsp + r0 * blocks : nullptr);
+    quantize_rows(xp + r0 * in, r1 - r0, in, xqp + r0 * in, dp + r0 * blocks, dsp + r0 * blocks);
   });
-  int64_t cols = n == 1 ? kColsOne : kCols;
-  const DotBlocks fn =
-      use_vnni() ? dot_blocks_vnni(bits, n, &cols)
-                 : n == 1 ? (bits == 8 ? &dot_blocks<Madd, 8, kColsOne> : &dot_blocks<Madd, 4, kColsOne>)
-                          : (bits == 8 ? &dot_blocks<Madd, 8, kCols> : &dot_blocks<Madd, 4, kCols>);
-  at::parallel_for(0, (out + cols - 1) / cols, 16, [&](int64_t b0, int64_t b1) {
-    fn(xqp, dp, dsp, qp, sp, op, yp, n, in, out, b0, b1);
+  const DotTiles fn = use_vnni() ? dot_tiles_vnni_for(bits) : bits == 8 ? &dot_tiles_avx2<8> : &dot_tiles_avx2<4>;
+  at::parallel_for(0, out / kTile, 4, [&](int64_t t0, int64_t t1) {
+    fn(xqp, dp, dsp, qp, sp, op, yp, n, in, out, t0, t1);
   });
   return y;
 }

@@ -1,26 +1,92 @@
-// The w8a8 / w4a8 integer dot kernel (dot_tile.h) for CPUs with AVX512-VNNI: vpdpbusd sums four
-// byte products per 32-bit lane in one instruction where AVX2 takes vpmaddubsw and vpmaddwd. The
-// integers are the same, and so are the float instructions after them: the same numbers as the
-// AVX2 instance. Like avx512.cpp, it includes no torch or standard C++ headers (see there).
-#pragma GCC target("avx512f,avx512vl,avx512vnni,avx2,fma,f16c")
+// The w8a8 / w4a8 integer dot kernel (dot_tile.h) for CPUs with AVX512-VNNI: a whole tile of 16
+// outputs per 512-bit vector, vpdpbusd summing 4 inputs times 16 outputs in one instruction, up
+// to 8 rows of x per pass over the tile's weights. The integers are the same as the AVX2
+// kernel's, and so are the float steps after them (elementwise, one output per lane): the same
+// numbers. Like avx512.cpp, it includes no torch or standard C++ headers (see there).
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
 #include <immintrin.h>
 #include <stdint.h>
 
-namespace {
-struct Vnni {
-  static __m256i dot(__m256i u, __m256i s) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s); }
-  static __m256i dot2(__m256i u, __m256i s, __m256i u2, __m256i s2) {
-    return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s), u2, s2);
-  }
-};
-}  // namespace
-
 #include "dot_tile.h"
 
-// The instance for `bits` and n x rows, and its weight rows per block (*cols): with 32 vector
-// registers, wider tiles than AVX2's, 8 weight rows for one x row, 4 for more.
-DotBlocks dot_blocks_vnni(int64_t bits, int64_t n, int64_t* cols) {
-  *cols = n == 1 ? 8 : 4;
-  return n == 1 ? (bits == 8 ? &dot_blocks<Vnni, 8, 8> : &dot_blocks<Vnni, 4, 8>)
-                : (bits == 8 ? &dot_blocks<Vnni, 8, 4> : &dot_blocks<Vnni, 4, 4>);
+namespace {
+// vpdpbusd multiplies unsigned by signed bytes. int4: the weights (0-15) are the unsigned side.
+// int8: x + 128 is (x as unsigned bytes, the sign bit flipped), and I = sum((x + 128) * w) -
+// sum(128 * w), the second sum once per tile and block for all rows.
+template <int Bits, int R>
+inline void dot_tile_vnni(const int8_t* xq, const float* d, const float* ds, const uint8_t* q,
+                          const uint16_t* scale, const uint16_t* offset, float* y, int64_t in,
+                          int64_t out, int64_t t) {
+  const int64_t blocks = in / kBlock;
+  const __m512i low = _mm512_set1_epi8(15), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const uint8_t* qt = q + t * blocks * tile_block_bytes(Bits);
+  const int64_t so = t * blocks * kTile;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < blocks; ++g) {
+    const uint8_t* qg = qt + g * tile_block_bytes(Bits);
+    __m512i dot[R];
+    for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
+    if constexpr (Bits == 4) {
+      for (int j = 0; j < 4; ++j) {
+        const __m512i v = _mm512_loadu_si512(qg + 64 * j);
+        const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xg = xq + r * in + g * kBlock;
+          dot[r] = _mm512_dpbusd_epi32(dot[r], lo, _mm512_set1_epi32(x4(xg + 4 * j)));
+          dot[r] = _mm512_dpbusd_epi32(dot[r], hi, _mm512_set1_epi32(x4(xg + 16 + 4 * j)));
+        }
+      }
+    } else {
+      __m512i bias = _mm512_setzero_si512();
+      for (int j = 0; j < 8; ++j) {
+        const __m512i w = _mm512_loadu_si512(qg + 64 * j);
+        bias = _mm512_dpbusd_epi32(bias, flip, w);
+        for (int r = 0; r < R; ++r) {
+          const __m512i xu = _mm512_xor_si512(_mm512_set1_epi32(x4(xq + r * in + g * kBlock + 4 * j)), flip);
+          dot[r] = _mm512_dpbusd_epi32(dot[r], xu, w);
+        }
+      }
+      for (int r = 0; r < R; ++r) dot[r] = _mm512_sub_epi32(dot[r], bias);
+    }
+    const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale + so + g * kTile)));
+    __m512 mv = _mm512_setzero_ps();
+    if constexpr (Bits == 4)
+      mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(offset + so + g * kTile)));
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot[r]), sv), _mm512_set1_ps(d[r * blocks + g]), acc[r]);
+      if constexpr (Bits == 4) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(ds[r * blocks + g]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * out + t * kTile, acc[r]);
 }
+
+template <int Bits>
+void dot_tiles_vnni(const int8_t* xq, const float* d, const float* ds, const uint8_t* q,
+                    const uint16_t* scale, const uint16_t* offset, float* y, int64_t n, int64_t in,
+                    int64_t out, int64_t t0, int64_t t1) {
+  const int64_t blocks = in / kBlock;
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t r = 0; r < n;) {
+      const int8_t* xr = xq + r * in;
+      const float *dr = d + r * blocks, *sr = ds + r * blocks;
+      float* yr = y + r * out;
+      const int64_t left = n - r;
+      if (left >= 8) {
+        dot_tile_vnni<Bits, 8>(xr, dr, sr, q, scale, offset, yr, in, out, t);
+        r += 8;
+      } else if (left >= 4) {
+        dot_tile_vnni<Bits, 4>(xr, dr, sr, q, scale, offset, yr, in, out, t);
+        r += 4;
+      } else if (left >= 2) {
+        dot_tile_vnni<Bits, 2>(xr, dr, sr, q, scale, offset, yr, in, out, t);
+        r += 2;
+      } else {
+        dot_tile_vnni<Bits, 1>(xr, dr, sr, q, scale, offset, yr, in, out, t);
+        r += 1;
+      }
+    }
+}
+}  // namespace
+
+DotTiles dot_tiles_vnni_for(int64_t bits) { return bits == 8 ? &dot_tiles_vnni<8> : &dot_tiles_vnni<4>; }
