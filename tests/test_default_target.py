@@ -101,19 +101,27 @@ def test_auto_weights_measure_int4_only_where_it_gives_back_the_checkpoint(defau
 
 
 def test_a_throughput_job_takes_the_weights_fastest_under_load(default_target, monkeypatch):
-    """The same measurements, ranked at batch 1 for an engine and at 16 requests in flight for a
-    throughput job (the data step): on AMX CPUs w4a8 wins the first and bf16 the second. Step
-    times are set here so that the rankings differ on every CPU."""
+    """The same measurements, ranked at batch 1 for an engine and at the load of a throughput
+    job (the data step: 64 in flight): on AMX CPUs w4a8 wins the first and bf16 the second. Step
+    times are set here so that the rankings differ on every CPU; the job's step is timed at its
+    own load, an engine's hint at 16 in flight."""
     from angelspec.runtime import backend
 
     fast_alone, fast_loaded = "w4a8", "int4"
-    monkeypatch.setattr(backend, "decode_ms", lambda m, context=256, reps=9, requests=1:
-                        1.0 if m.weights == (fast_alone if requests == 1 else fast_loaded) else 2.0)
+    timed = set()
+
+    def decode_ms(m, context=256, reps=9, requests=1):
+        timed.add(requests)
+        return 1.0 if m.weights == (fast_alone if requests == 1 else fast_loaded) else 2.0
+
+    monkeypatch.setattr(backend, "decode_ms", decode_ms)
     engine = backend.choose_weights(default_target.model, "auto")
-    job = backend.choose_weights(default_target.model, "auto", loaded=True)
+    assert timed == {1, 16}
+    job = backend.choose_weights(default_target.model, "auto", loaded=64)
+    assert timed == {1, 16, 64}
     assert (engine["dtype"], job["dtype"]) == (fast_alone, fast_loaded)
     assert "for throughput at 16 in flight, --weights int4" in engine["why"]
-    assert "int4 the fastest under load, chosen for throughput" in job["why"]
+    assert "a step of 64 requests" in job["why"] and "int4 the fastest under load, chosen for throughput" in job["why"]
 
 
 def test_llamacpp_reference_runs_the_gguf_or_says_how_to_get_it(default_target, tiny, tmp_path,

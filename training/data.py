@@ -6,8 +6,9 @@ boundaries. The target's hidden states at the layers the trained drafters read a
 engine commits each token (FeatureRecorder): the rows a served engine hands its drafters, with
 no second pass over the sequences, so trainers never recompute them. The target runs with
 matmul weights an engine can serve (`weights`, as `angelspec build --weights`; `auto` takes the
-option of those an engine may choose that is fastest with many requests in flight, as the data
-step runs them: bf16 on AMX-BF16 tiles rather than the w4a8 an engine picks for batch 1 there),
+option of those an engine may choose that is fastest with as many requests in flight as the
+data step keeps (`batch_size`): bf16 on AMX-BF16 tiles rather than the w4a8 an engine picks for
+batch 1 there),
 so drafts learn the hidden states and choices they will see when served. A shard is written as
 soon as its last prompt is answered and the manifest is rewritten after each one, so an
 interrupted build resumes where it stopped.
@@ -231,7 +232,7 @@ def build(target: Target, out_dir, counts: dict[str, int], heldout: int, max_tok
     if weights == "auto" and made.exists():  # a rerun resumes with the weights the folder was made
         # with, rather than with a new measurement's pick (near-equal options can trade places)
         weights = json.loads(made.read_text()).get("generation", {}).get("weights", GENERATION_BEFORE["weights"])
-    choice = choose_weights(target.model, weights, loaded=True)  # many requests in flight
+    choice = choose_weights(target.model, weights, loaded=batch_size)  # timed at the job's load
     dtype = choice["dtype"]
     if dtype != target.model.weights:
         target = dataclasses.replace(target, model=target.model.served_as(dtype))
@@ -369,7 +370,7 @@ def add_arguments(p) -> None:
                         "auto = of the options `angelspec build --weights auto` weighs (float32, "
                         "bfloat16 with AMX-BF16 tiles or bf16 checkpoints, and int8 / int4 / w8a8 / "
                         "w4a8 where they give back the checkpoint's weights exactly), the one "
-                        "fastest here with 16 requests in flight; a scheme by name to match an "
+                        "fastest here with --batch-size requests in flight; a scheme by name to match an "
                         "engine built with those weights")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--seed", type=int, default=0, help="prompt sampling (and response sampling "

@@ -27,7 +27,7 @@ def use_backend(model: Llama, backend: str) -> None:
 
 
 WEIGHTS = ("auto", "float32", "bfloat16") + SCHEMES
-LOADED = 16  # requests in flight for choose_weights' second measurement
+LOADED = 16  # requests in flight for an engine's second measurement (choose_weights)
 
 
 def decode_ms(model: Llama, context: int = 256, reps: int = 9, requests: int = 1) -> float:
@@ -46,7 +46,7 @@ def decode_ms(model: Llama, context: int = 256, reps: int = 9, requests: int = 1
     return statistics.median(times) * 1000
 
 
-def choose_weights(model, asked: str = "auto", loaded: bool = False) -> dict:
+def choose_weights(model, asked: str = "auto", loaded: int = 0) -> dict:
     """How the engine's matmul weights serve. `auto`: the fastest of the options that keep the
     model, measured here (a decoding step each, in turns): float32; bfloat16 when this CPU has
     AMX-BF16 tiles (a float32 checkpoint's weights are then rounded to bf16, at most 2^-9
@@ -57,9 +57,10 @@ def choose_weights(model, asked: str = "auto", loaded: bool = False) -> dict:
     blocks (the default target), and then also w8a8 / w4a8 (those weights, each matmul's input
     rounded to int8 in blocks of 32 as llama.cpp rounds it: integer dot products). Otherwise
     int8 / int4 change the model's outputs more than bf16 does (`angelspec bench` reports how
-    much), so that is the user's call: asked for by name. A step of 16 requests is timed too and
-    reported with the option that serves such a load fastest, when that is another one; with
-    `loaded` (a throughput job: the data step keeps 64 requests in flight) that one is chosen."""
+    much), so that is the user's call: asked for by name. A step of LOADED requests is timed too
+    and reported with the option that serves such a load fastest, when that is another one. A
+    throughput job passes the requests it keeps in flight as `loaded` (the data step: 64): the
+    step is timed at that load, and its fastest option chosen."""
     if asked not in WEIGHTS:
         raise ValueError(f"unknown weights {asked!r} ({', '.join(WEIGHTS)})")
     amx, bf16_exact = amx_available(), model.bf16_exact()
@@ -87,7 +88,8 @@ def choose_weights(model, asked: str = "auto", loaded: bool = False) -> dict:
             measured = {w: round(statistics.median(t), 3) for w, t in times.items()}
             # the same under load: a step of LOADED requests (a ranking can turn, as bf16 on AMX
             # tiles against w4a8); an engine is chosen for batch 1, a throughput job for the load
-            under = {w: decode_ms(m, context=128, reps=3, requests=LOADED) for w, m in models.items()}
+            requests = loaded or LOADED
+            under = {w: decode_ms(m, context=128, reps=3, requests=requests) for w, m in models.items()}
             at_one, under_load = min(measured, key=measured.get), min(under, key=under.get)
             dtype = under_load if loaded else at_one
             weight_only = sorted(w for w in given_back if w in WITH_INT8_ACTIVATIONS)
@@ -97,11 +99,11 @@ def choose_weights(model, asked: str = "auto", loaded: bool = False) -> dict:
             why += (f"; {' and '.join(weight_only)} {verb} back the checkpoint's weights exactly; "
                     "a decoding step measured here: " +
                     ", ".join(f"{w} {ms:.2f} ms" for w, ms in measured.items()) + f"; {at_one} the fastest"
-                    f"; a step of {LOADED} requests: " +
+                    f"; a step of {requests} requests: " +
                     ", ".join(f"{w} {ms:.1f} ms" for w, ms in under.items()) +
                     ("" if under_load == at_one else
                      f"; {under_load} the fastest under load, chosen for throughput" if loaded else
-                     f" (for throughput at {LOADED} in flight, --weights {under_load})"))
+                     f" (for throughput at {requests} in flight, --weights {under_load})"))
     else:
         dtype, why = asked, "asked for"
         if dtype in SCHEMES and model.gives_back(model.served_as(dtype)):
