@@ -109,9 +109,14 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
 
 
+KV_CACHES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # the cache's value types
+
+
 class KVCache:
     """Static cache, per layer: k and v as plugins.attention.kv_cache lays them out (keys in
-    transposed tiles of 16, values [slots, kv_heads, positions, head_dim])."""
+    transposed tiles of 16, values [slots, kv_heads, positions, head_dim]), float32 or bf16 (each
+    key and value rounded once as it is written; attention widens them back and computes in
+    float32: a row reads its own key from the cache too, so verification stays row-exact)."""
 
     def __init__(self, cfg: ModelConfig, slots: int, max_len: int, dtype=torch.float32):
         pairs = [kv_cache(slots, cfg.num_kv_heads, cfg.head_dim, max_len, dtype)
@@ -192,6 +197,7 @@ class Llama:
         self.backend = "eager"  # how forward runs (runtime/backend.py: use_backend)
         self.compiled = None  # the compiled forward of a compiled backend
         self.fused = True  # decoding forwards run each layer as one op (plugins.decoder_layer)
+        self.kv_dtype = torch.float32  # the KV cache's values (KV_CACHES; new_cache)
         self._prepared = None  # the layers' decoder_layer arguments, built at first use
         self.norm = get("model.norm.weight")
         self.layers = []
@@ -307,7 +313,7 @@ class Llama:
         return sum(t.nbytes for t in tensors)
 
     def new_cache(self, slots: int, max_len: int | None = None) -> KVCache:
-        return KVCache(self.cfg, slots, max_len or self.max_len)
+        return KVCache(self.cfg, slots, max_len or self.max_len, self.kv_dtype)
 
     def batch(self, segments: list[Segment]) -> Batch:
         return Batch(segments)

@@ -24,7 +24,9 @@ from angelspec.builders.export_env import export_python, export_tensorrt
 from angelspec.builders.trtllm import export as export_trtllm
 from angelspec.checkpoint import CheckpointError, load_target
 from angelspec.drafters import TRAINED, Datastore, make_drafter, parse_spec, parts
+from angelspec.model import KV_CACHES
 from angelspec.plugins import RATIOS, SKINNY_MAX_ROWS
+from angelspec.plugins.linear import WITH_INT8_ACTIVATIONS
 from angelspec.prompts import DEFAULT_PROMPTS, DOMAINS, load_prompts
 from angelspec.runtime import Engine, Request, SamplingParams
 from angelspec.runtime.backend import WEIGHTS, choose_weights, use_backend
@@ -116,7 +118,7 @@ def calibrate_routes(target, drafts_dir: pathlib.Path, candidates: list[str], co
 def build(target_dir: str, drafts_dir: str, out: str, data_dir: str | None = None,
           drafters: list[str] | None = None, backends: tuple = ("eager", "inductor"),
           min_gain: float = 1.2, dcut: bool = True, max_tokens: int = SKINNY_MAX_ROWS,
-          export: str | None = None, weights: str = "auto") -> EngineManifest:
+          export: str | None = None, weights: str = "auto", kv_cache: str = "auto") -> EngineManifest:
     """Build the engine folder `out`. It is written as a hidden `.<name>.partial` beside it and
     renamed to `out` only when complete: a failed or stopped build leaves any earlier engine of
     that name as it was."""
@@ -126,7 +128,7 @@ def build(target_dir: str, drafts_dir: str, out: str, data_dir: str | None = Non
         export_python()  # before a long build: the export environment must exist
     try:
         manifest = _build(pathlib.Path(target_dir), pathlib.Path(drafts_dir), partial, final, data_dir,
-                          drafters, backends, min_gain, dcut, max_tokens, export, weights)
+                          drafters, backends, min_gain, dcut, max_tokens, export, weights, kv_cache)
         if export == "tensorrt":  # in its own environment, from the finished folder
             export_tensorrt(partial)
             manifest = read_manifest(partial, verify=False)
@@ -144,7 +146,7 @@ def build(target_dir: str, drafts_dir: str, out: str, data_dir: str | None = Non
 
 def _build(target_dir: pathlib.Path, drafts_dir: pathlib.Path, out: pathlib.Path,
            final: pathlib.Path, data_dir, drafters, backends, min_gain, dcut, max_tokens, export,
-           weights) -> EngineManifest:
+           weights, kv_cache) -> EngineManifest:
     data = pathlib.Path(data_dir) if data_dir else None
     # every input is checked before the first expensive step
     if data is not None and not (data / "prompts.jsonl").exists():
@@ -153,8 +155,14 @@ def _build(target_dir: pathlib.Path, drafts_dir: pathlib.Path, out: pathlib.Path
                                 "build without a router)")
     if drafters and not drafts_dir.is_dir():
         raise FileNotFoundError(f"{drafts_dir}: no such drafts folder (run `make drafts`)")
+    if kv_cache not in ("auto", *KV_CACHES):
+        raise ValueError(f"unknown KV cache {kv_cache!r} (auto, {', '.join(KV_CACHES)})")
     target = load_target(target_dir)
     weights = choose_weights(target.model, weights)
+    if kv_cache == "auto":  # where activations are rounded already (bf16 tiles, w8a8 / w4a8), keys too
+        rounds = weights["amx_tiles"] or weights["dtype"] in WITH_INT8_ACTIVATIONS.values()
+        kv_cache = "float32" if weights["exact"] and not rounds else "bfloat16"
+    target.model.kv_dtype = KV_CACHES[kv_cache]
     target.model.serve(weights["dtype"])  # everything below is measured as it will serve
     kinds = drafters or [k for k in TRAINED if (drafts_dir / k / "config.json").exists()]
     bar = tqdm(total=6, desc="build", unit="step", file=sys.stderr)
@@ -228,7 +236,7 @@ def _build(target_dir: pathlib.Path, drafts_dir: pathlib.Path, out: pathlib.Path
         defaults=Defaults("auto" if router else (kinds[0] if kinds else "ngram"), dcut),
         router=router, backend=BackendChoice(**backend), weights=WeightsChoice(**weights),
         dcut=DcutSpec(list(RATIOS), cost.to_json()),
-        fingerprint=fingerprint(backend["chosen"], target.model.weights))
+        fingerprint=fingerprint(backend["chosen"], target.model.weights), kv_cache=kv_cache)
     if export == "trtllm":
         manifest.exported["trtllm"] = export_trtllm(out, out / "trtllm", manifest, final=final / "trtllm")
     manifest.write(out)
@@ -269,6 +277,15 @@ def add_arguments(p) -> None:
                         "the agreement; a checkpoint converted from such a GGUF, as the default "
                         "target, comes back exactly), and speculative output equals the same "
                         "engine's own autoregressive output")
+    p.add_argument("--kv-cache", choices=["auto", *KV_CACHES], default="auto",
+                   help="the values of the KV cache: bfloat16 halves the bytes attention reads (at "
+                        "16 requests in flight after 256 tokens, 189 MB a step for the default "
+                        "target in float32, twice its w4a8 weights), each key and value rounded "
+                        "once as it is written; speculative output still equals the same engine's "
+                        "own autoregressive output. auto: float32 where the weights are the "
+                        "checkpoint's own values computed exactly (float32, exact int8 / int4, bf16 "
+                        "values without AMX tiles), else bfloat16 (bf16 on AMX tiles, w8a8 / w4a8, "
+                        "which round the activations already)")
     p.add_argument("--no-dcut", action="store_true", help="serve with a fixed draft length by default")
     p.add_argument("--export", choices=["trtllm", "tensorrt"], default=None,
                    help="also write <out>/trtllm/ (the drafts and an LLM-API YAML for TensorRT-LLM) "
@@ -280,7 +297,7 @@ def run(args) -> int:
     m = build(args.target, args.drafts, args.out, args.data or None,
               args.drafters.split(",") if args.drafters else None,
               tuple(b.strip() for b in args.backends.split(",") if b.strip()), args.min_gain,
-              not args.no_dcut, export=args.export, weights=args.weights)
+              not args.no_dcut, export=args.export, weights=args.weights, kv_cache=args.kv_cache)
     out = pathlib.Path(args.out)
     for kind, paths in m.exported.items():
         print(f"{kind} export: {', '.join(paths)}")
@@ -288,7 +305,7 @@ def run(args) -> int:
     speeds = ", ".join(f"{b} {r['speedup_vs_eager']}x" for b, r in be.measured.items())
     print(f"{out}: drafters {', '.join(m.drafters)}; default {m.defaults.drafter}, "
           f"D-cut {'on' if m.defaults.dcut else 'off'}; backend {be.chosen} ({speeds}); "
-          f"{m.weights.dtype} weights ({m.weights.why})")
+          f"{m.weights.dtype} weights ({m.weights.why}); {m.kv_cache} KV cache")
     if be.why_eager:
         print(f"  eager kept: {be.why_eager}")
     ng = m.drafters["ngram"]

@@ -19,7 +19,8 @@ def kv_cache(slots: int, kv_heads: int, head_dim: int, max_len: int,
     """Zeroed caches for `cached_attention`, room for max_len keys rounded up to whole tiles:
     k [slots, kv_heads, max_len / 16, head_dim, 16] (tiles of 16 keys, each transposed, so
     attention scores a vector of keys per instruction reading contiguous memory) and
-    v [slots, kv_heads, max_len, head_dim]."""
+    v [slots, kv_heads, max_len, head_dim]; float32, or bfloat16 (each key and value rounded
+    as it is written, widened exactly as it is read)."""
     m = -(-max_len // KEY_TILE) * KEY_TILE
     return (torch.zeros(slots, kv_heads, m // KEY_TILE, head_dim, KEY_TILE, dtype=dtype),
             torch.zeros(slots, kv_heads, m, head_dim, dtype=dtype))

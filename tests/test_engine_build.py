@@ -58,18 +58,20 @@ def test_manifest_names_every_part_with_checksums(parts):
     dtype = "bfloat16" if amx_available() else "float32"
     assert m.weights.dtype == m.fingerprint["weights"] == dtype
     assert not m.weights.checkpoint_is_bf16
+    # KV cache auto: bf16 where the tiles round the activations already, else float32's own numbers
+    assert m.kv_cache == ("bfloat16" if amx_available() else "float32")
     assert m.drafters["ngram"].draft_len in (3, 5, 7)
 
 
-@pytest.mark.parametrize("weights", ["bfloat16", "int8", "int4"])
-def test_engine_with_packed_or_quantized_weights_serves_losslessly(parts, tmp_path, weights):
+@pytest.mark.parametrize("weights,kv_cache", [("bfloat16", "float32"), ("int8", "float32"), ("int4", "bfloat16")])
+def test_engine_with_packed_or_quantized_weights_serves_losslessly(parts, tmp_path, weights, kv_cache):
     root, _, _ = parts
     kinds = [] if weights == "bfloat16" else ["mtp", "dfly"]
     m = build(str(root / "target"), str(root / "drafts"), str(tmp_path / "engine"), None,
-              drafters=kinds, backends=("eager",), max_tokens=8, weights=weights)
-    assert m.weights.dtype == m.fingerprint["weights"] == weights
+              drafters=kinds, backends=("eager",), max_tokens=8, weights=weights, kv_cache=kv_cache)
+    assert m.weights.dtype == m.fingerprint["weights"] == weights and m.kv_cache == kv_cache
     eng = load_engine(tmp_path / "engine", max_batch=2, max_len=200)
-    assert eng.target.model.weights == weights
+    assert eng.target.model.weights == weights and eng.cache.k[0].dtype == getattr(torch, kv_cache)
     g = torch.Generator().manual_seed(8)
     prompts = [torch.randint(1, 96, (n,), generator=g).tolist() for n in (5, 30)]
     params = SamplingParams(max_tokens=30, ignore_eos=True)
@@ -338,7 +340,8 @@ def test_manifest_fields_are_typed_and_checked(parts, tmp_path):
                             (lambda m: m.pop("defaults"), r"missing fields \['defaults'\]"),
                             (lambda m: m["defaults"].__setitem__("dcut", "yes"), "defaults: dcut: expected bool"),
                             (lambda m: m["drafters"]["ngram"].__setitem__("draft_len", "3"),
-                             "drafters.ngram: draft_len: expected int")):
+                             "drafters.ngram: draft_len: expected int"),
+                            (lambda m: m.__setitem__("kv_cache", 16), "kv_cache: expected str")):
         eng = tmp_path / f"e{len(list(tmp_path.iterdir()))}"
         shutil.copytree(root / "engine", eng)
         _rewrite(eng, change)

@@ -36,6 +36,15 @@ for a, b in [(39, 40), (30, 38), (0, 1)]:
 kk, vv = k.repeat_interleave(3, 1).transpose(0, 1), v.repeat_interleave(3, 1).transpose(0, 1)
 ref = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), kk, vv, is_causal=True)
 assert (full - ref.transpose(0, 1)).abs().max() < 1e-5
+# a bf16 cache: each key and value rounded once as written, then exactly the float32 kernel's
+# numbers on those values, row-exact
+kb, vb = ops.kv_cache(S, Hkv, D, M, torch.bfloat16)
+half = ops.cached_attention(q, k, v, kb, vb, slots, pos)
+rounded = lambda t: t.bfloat16().float()  # noqa: E731
+assert torch.equal(half, ops.cached_attention(q, rounded(k), rounded(v), *ops.kv_cache(S, Hkv, D, M), slots, pos))
+assert torch.equal(vb[0, :, :40].float(), rounded(v).transpose(0, 1))
+for a, b in [(39, 40), (30, 38), (0, 1)]:
+    assert torch.equal(ops.cached_attention(q[a:b], k[a:b], v[a:b], kb, vb, slots[a:b], pos[a:b]), half[a:b])
 # a token tree: each node's row equals the one-token row at its depth once its path is committed
 L, parents = 37, [-1, 0, 1, 0, 3, 2, 1, 4]
 N, one = len(parents), torch.ones(1, dtype=torch.long)

@@ -141,13 +141,17 @@ def test_quantize_rounds_each_weight_to_its_groups_nearest_level(scheme):
         ops.quantize(torch.randn(4, 100), scheme)
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4", "w8a8", "w4a8"])
-def test_quantized_model_serves_losslessly_against_itself(tmp_path, scheme):
+@pytest.mark.parametrize("scheme,kv_cache", [("int8", "float32"), ("int4", "float32"), ("w8a8", "float32"),
+                                              ("w4a8", "float32"), ("w4a8", "bfloat16")])
+def test_quantized_model_serves_losslessly_against_itself(tmp_path, scheme, kv_cache):
     """Greedy speculative decoding (chains, trees, D-cut on and off, batch 1 and 3) equals the
     quantized model's own batch-1 decoding, a prompt longer than the row-exact kernels (int8 /
-    int4: BLAS on the dequantized weights) included; seeded samples repeat; a quarter / a fifth of the bytes."""
+    int4: BLAS on the dequantized weights) included; seeded samples repeat; a quarter / a fifth
+    of the bytes. Also with keys and values rounded to bf16 as they are cached (`--kv-cache`)."""
     target = tiny_target(tmp_path, vocab_size=96, eos_token_id=95)
     m = target.model
+    m.kv_dtype = getattr(torch, kv_cache)
+    assert m.new_cache(2, 64).k[0].dtype == m.kv_dtype
     bytes32 = m.weight_bytes()
     m.quantize(scheme)
     assert m.weights == scheme and m.head_w.bits == 8  # the logits' matmul: int8 under int4 too
@@ -171,3 +175,4 @@ def test_quantized_model_serves_losslessly_against_itself(tmp_path, scheme):
     assert eng.generate([Request(ps[0], s, "ngram")])[0].tokens == sampled
     with pytest.raises(RuntimeError, match="start from float32"):
         m.quantize("int8" if scheme == "int4" else "int4")
+

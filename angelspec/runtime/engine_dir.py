@@ -18,12 +18,13 @@ from safetensors.torch import load_file
 
 from angelspec import DEFAULT_MAX_LEN
 from angelspec.checkpoint import load_target
+from angelspec.model import KV_CACHES
 from angelspec.plugins import amx_available
 from angelspec.plugins.linear import SCHEMES
 from angelspec.runtime.backend import use_backend
 from angelspec.runtime.cost import CostTable, fingerprint, profile
 from angelspec.runtime.engine import Engine
-from angelspec.runtime.manifest import read_manifest
+from angelspec.runtime.manifest import EngineError, read_manifest
 from angelspec.runtime.router import DomainClassifier, Router
 
 
@@ -43,6 +44,11 @@ def load_engine(path: str | pathlib.Path, max_batch: int = 8, max_len: int = DEF
     if target is None:
         target = load_target(path / "target", max_len=max(max_len, 64))
     backend = manifest.backend.chosen
+    if manifest.kv_cache not in KV_CACHES:
+        raise EngineError(f"{path}: KV cache {manifest.kv_cache!r} unknown ({', '.join(KV_CACHES)}): "
+                          "rebuild the engine")
+    if weights is None:  # the checkpoint's own reference keeps float32 keys and values
+        target.model.kv_dtype = KV_CACHES[manifest.kv_cache]
     if served in SCHEMES:
         target.model.serve(served)
     if served == "bfloat16":

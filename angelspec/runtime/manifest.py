@@ -101,6 +101,7 @@ class EngineManifest:
     exported: dict[str, list[str]] = field(default_factory=dict)
     files: dict[str, str] = field(default_factory=dict)
     format: int = FORMAT
+    kv_cache: str = "float32"  # the KV cache's values (model.KV_CACHES)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)

@@ -24,10 +24,55 @@ void attend_items_avx512(const float* qp, const float* kp, const float* vp, floa
                          const int64_t* tbeg, const int64_t* tree, int64_t N, int64_t H,
                          int64_t Hkv, int64_t M, int64_t D, int64_t window, float scale, int64_t a,
                          int64_t b, float* buf, const float** rows);
+void attend_items_avx512(const float* qp, const uint16_t* kp, const uint16_t* vp, float* op,
+                         const int64_t* slots, const int64_t* pos, const int64_t* hi,
+                         const int64_t* tbeg, const int64_t* tree, int64_t N, int64_t H,
+                         int64_t Hkv, int64_t M, int64_t D, int64_t window, float scale, int64_t a,
+                         int64_t b, float* buf, const uint16_t** rows);
+
+namespace {
+// float32 -> the cache's element: itself, or bf16 rounded to nearest even (NaN kept a NaN)
+inline void narrow(float x, float* to) { *to = x; }
+inline void narrow(float x, uint16_t* to) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    *to = static_cast<uint16_t>((u >> 16) | 0x40);
+    return;
+  }
+  u += 0x7fffu + ((u >> 16) & 1u);
+  *to = static_cast<uint16_t>(u >> 16);
+}
+
+// Writes this forward's keys and values into the caches, then attends (element type T).
+template <class T>
+void write_and_attend(const float* ks, const float* vs, T* kd, T* vd, const float* qp, float* op,
+                      const int64_t* slp, const int64_t* pp, const std::vector<int64_t>& hi,
+                      const std::vector<int64_t>& tbeg, const std::vector<int64_t>& tree,
+                      bool is_tree, int64_t N, int64_t H, int64_t Hkv, int64_t M, int64_t D,
+                      int64_t window, int64_t longest, int64_t widest) {
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const int64_t head = (slp[n] * Hkv + h) * M * D, src = (n * Hkv + h) * D;
+      T* kcol = kd + head + key_at(pp[n], D);
+      for (int64_t d = 0; d < D; ++d) narrow(ks[src + d], kcol + d * kKeyTile);
+      for (int64_t d = 0; d < D; ++d) narrow(vs[src + d], vd + head + pp[n] * D + d);
+    }
+  const float scale = 1.0f / std::sqrt(float(D));
+  auto* fn = use_avx512() ? static_cast<decltype(&attend_items<V256, T>)>(&attend_items_avx512)
+                          : &attend_items<V256, T>;
+  at::parallel_for(0, N * Hkv, 1, [&](int64_t a, int64_t b) {
+    std::vector<float> buf((H / Hkv) * (longest + 2 * kKeyTile));
+    std::vector<const T*> rows(widest);
+    fn(qp, kd, vd, op, slp, pp, is_tree ? hi.data() : nullptr, is_tree ? tbeg.data() : nullptr,
+       tree.data(), N, H, Hkv, M, D, window, scale, a, b, buf.data(), rows.data());
+  });
+}
+}  // namespace
 
 // q [N, H, D]; k, v [N, Hkv, D] (this forward's keys/values, written into the caches first);
-// k_cache [S, Hkv, M / 16, D, 16] (tiles of 16 keys, transposed), v_cache [S, Hkv, M, D]; M a
-// multiple of 16; slots, positions [N] (int64): where
+// k_cache [S, Hkv, M / 16, D, 16] (tiles of 16 keys, transposed), v_cache [S, Hkv, M, D], both
+// float32 or both bf16 (rounded to nearest even as written); M a multiple of 16; slots, positions [N] (int64): where
 // each row's key and value are written; window <= 0: none.
 // parents empty: row n attends to keys (slots[n], j) for j in (positions[n] - window, positions[n]].
 // parents [N] (a token tree): parents[n] < n is the row of n's parent in this call, or -1 for a
@@ -38,8 +83,12 @@ torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& k,
                                torch::Tensor v_cache, const torch::Tensor& slots,
                                const torch::Tensor& positions, const torch::Tensor& parents,
                                int64_t window) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32 &&
-              v_cache.dtype() == torch::kFloat32, "cached_attention: float32 expected");
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && k.dtype() == torch::kFloat32 && v.dtype() == torch::kFloat32,
+              "cached_attention: float32 q, k, v expected");
+  TORCH_CHECK(k_cache.dtype() == v_cache.dtype() &&
+                  (k_cache.dtype() == torch::kFloat32 || k_cache.dtype() == torch::kBFloat16),
+              "cached_attention: float32 or bfloat16 caches (both alike) expected, got ",
+              k_cache.dtype(), " and ", v_cache.dtype());
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 5 && v_cache.dim() == 4,
               "cached_attention: q [N, H, D], k_cache [S, Hkv, M / 16, D, 16], v_cache [S, Hkv, M, D] expected");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "cached_attention: contiguous caches expected");
@@ -56,21 +105,6 @@ torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& k,
   for (int64_t n = 0; n < N; ++n)
     TORCH_CHECK(pp[n] >= 0 && pp[n] < M && slp[n] >= 0 && slp[n] < S,
                 "cached_attention: slot ", slp[n], " position ", pp[n], " outside the cache");
-  {  // write this forward's keys (a column of their tile) and values (a row) at (slot, head, position)
-    auto kc = k.reshape({N, Hkv, D}).contiguous(), vc = v.reshape({N, Hkv, D}).contiguous();
-    const float* ks = kc.data_ptr<float>();
-    const float* vs = vc.data_ptr<float>();
-    float* kd = k_cache.data_ptr<float>();
-    float* vd = v_cache.data_ptr<float>();
-    for (int64_t n = 0; n < N; ++n)
-      for (int64_t h = 0; h < Hkv; ++h) {
-        const int64_t head = (slp[n] * Hkv + h) * M * D, src = (n * Hkv + h) * D;
-        float* kcol = kd + head + key_at(pp[n], D);
-        for (int64_t d = 0; d < D; ++d) kcol[d * kKeyTile] = ks[src + d];
-        std::memcpy(vd + head + pp[n] * D, vs + src, D * sizeof(float));
-      }
-  }
-
   // a tree's rows: the contiguous run of keys from 0 (the committed ones, the root, and ancestors
   // stored right after them), then the positions of the rest of their ancestors, root first
   std::vector<int64_t> hi, tbeg, tree;
@@ -102,21 +136,21 @@ torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& k,
     tbeg[N] = int64_t(tree.size());
   }
 
+  // write this forward's keys (a column of their tile) and values (a row) at (slot, head,
+  // position), then attend
+  auto kc = k.reshape({N, Hkv, D}).contiguous(), vc = v.reshape({N, Hkv, D}).contiguous();
   auto qc = q.contiguous();
   auto out = torch::empty({N, H, D}, qc.options());
-  const float* qp = qc.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const float scale = 1.0f / std::sqrt(float(D));
-  auto* fn = use_avx512() ? &attend_items_avx512 : &attend_items<V256>;
   const bool is_tree = parents.numel() > 0;
-  at::parallel_for(0, N * Hkv, 1, [&](int64_t a, int64_t b) {
-    std::vector<float> buf((H / Hkv) * (longest + 2 * kKeyTile));
-    std::vector<const float*> rows(widest);
-    fn(qp, kp, vp, op, slp, pp, is_tree ? hi.data() : nullptr, is_tree ? tbeg.data() : nullptr,
-       tree.data(), N, H, Hkv, M, D, window, scale, a, b, buf.data(), rows.data());
-  });
+  if (k_cache.dtype() == torch::kFloat32)
+    write_and_attend(kc.data_ptr<float>(), vc.data_ptr<float>(), k_cache.data_ptr<float>(),
+                     v_cache.data_ptr<float>(), qc.data_ptr<float>(), out.data_ptr<float>(), slp, pp,
+                     hi, tbeg, tree, is_tree, N, H, Hkv, M, D, window, longest, widest);
+  else
+    write_and_attend(kc.data_ptr<float>(), vc.data_ptr<float>(),
+                     reinterpret_cast<uint16_t*>(k_cache.data_ptr()), reinterpret_cast<uint16_t*>(v_cache.data_ptr()),
+                     qc.data_ptr<float>(), out.data_ptr<float>(), slp, pp, hi, tbeg, tree, is_tree, N,
+                     H, Hkv, M, D, window, longest, widest);
   return out;
 }
 

@@ -6,11 +6,13 @@
 // the call. The key cache is [slots, kv_heads, max_len / 16, head_dim, 16]: tiles of 16 keys,
 // each stored transposed (head_dim rows of 16 keys), so one vector holds a run of keys' partial
 // scores (no horizontal sums) and scoring a run of keys streams contiguous memory; the value
-// cache is [slots, kv_heads, max_len, head_dim].
+// cache is [slots, kv_heads, max_len, head_dim]. The caches hold float32 or bf16 (T = uint16_t:
+// widened exactly as they are read; the arithmetic is float32 either way).
 #pragma once
 #include <stdint.h>
 
 #include "vec_exp.h"
+#include "widen.h"
 
 namespace {
 
@@ -25,8 +27,8 @@ inline int64_t key_at(int64_t j, int64_t D) { return (j / kKeyTile) * kKeyTile *
 // caller's first key or past hi are other (stale) entries of the same tile, computed lane by
 // lane and ignored. Every score is the same FMA sequence over d = 0..D-1, then one multiply by
 // scale, so a row's scores never depend on its neighbours or on where vectors start.
-template <class V, int G>
-void score_keys(const float* const* q, const float* kt, int64_t D, int64_t base, int64_t hi,
+template <class V, int G, class T>
+void score_keys(const float* const* q, const T* kt, int64_t D, int64_t base, int64_t hi,
                 float scale, float* const* scores) {
   constexpr int L = V::lanes;
   constexpr int KB = L == 16 ? 4 : 3;  // key vectors per block (registers: G*KB + KB + 1)
@@ -34,7 +36,7 @@ void score_keys(const float* const* q, const float* kt, int64_t D, int64_t base,
   int64_t j = base;
   for (; j <= hi; j += KB * L) {
     const int kb = hi + 1 - j >= KB * L ? KB : int((hi + L - j) / L);  // the last block: fewer
-    const float* kv0[KB];
+    const T* kv0[KB];
     for (int b = 0; b < kb; ++b) kv0[b] = kt + key_at(j + b * L, D);
     typename V::reg acc[G][KB];
     for (int g = 0; g < G; ++g)
@@ -42,7 +44,7 @@ void score_keys(const float* const* q, const float* kt, int64_t D, int64_t base,
     if (kb == KB) {
       // the next block's tiles, a row at a time (each tile is a page of its own to the prefetcher)
       const int64_t next = j + KB * L, last = next + KB * L - 1 < hi ? next + KB * L - 1 : hi;
-      const float* pf = kt + key_at(next, D) - next % kKeyTile;
+      const T* pf = kt + key_at(next, D) - next % kKeyTile;
       const int tiles = next <= hi ? int(last / kKeyTile - next / kKeyTile) + 1 : 0;
       for (int64_t d = 0; d < D; ++d) {
         for (int t = 0; t < tiles; ++t)
@@ -104,9 +106,9 @@ inline float softmax_weights(float* scores, int64_t len) {
 // stored contiguously; the G heads run side by side so the chains overlap. Keys go in blocks
 // whose rows stay in L1 across the passes over head_dim (out holds the sums between blocks, which
 // rounds nothing), and the first pass over a block fetches the next block's rows ahead.
-template <class V, int G>
-void weighted_values(float* const* w, const float* inv, int64_t len, const float* values,
-                     int64_t extra, const float* const* rows, int64_t D, float* const* out) {
+template <class V, int G, class T>
+void weighted_values(float* const* w, const float* inv, int64_t len, const T* values,
+                     int64_t extra, const T* const* rows, int64_t D, float* const* out) {
   constexpr int NV = V::lanes == 16 ? 4 : 2;  // vectors per head per pass (registers: G*NV + 2)
   constexpr int64_t KB = 32;                  // keys per block
   const int64_t body = D - D % V::lanes, total = len + extra;
@@ -119,7 +121,7 @@ void weighted_values(float* const* w, const float* inv, int64_t len, const float
       for (int g = 0; g < G; ++g)
         for (int c = 0; c < nv; ++c) acc[g][c] = j0 ? V::load(out[g] + d0 + c * V::lanes) : V::zero();
       for (int64_t j = j0; j < j1; ++j) {
-        const float* v = row(j) + d0;
+        const T* v = row(j) + d0;
         if (d0 == 0 && j + KB < total)
           for (int64_t b = 0; b < D; b += 16) _mm_prefetch(  // a 64-byte line per 16 floats
               reinterpret_cast<const char*>(row(j + KB) + b), _MM_HINT_T0);
@@ -136,7 +138,7 @@ void weighted_values(float* const* w, const float* inv, int64_t len, const float
   for (int64_t d = body; d < D; ++d)
     for (int g = 0; g < G; ++g) {
       float a = 0.f;
-      for (int64_t j = 0; j < total; ++j) a = __builtin_fmaf(w[g][j], row(j)[d], a);
+      for (int64_t j = 0; j < total; ++j) a = __builtin_fmaf(w[g][j], widen(row(j)[d]), a);
       out[g][d] = a * inv[g];
     }
 }
@@ -147,12 +149,12 @@ void weighted_values(float* const* w, const float* inv, int64_t len, const float
 // null), then to the keys at the `tree` positions tree[tbeg[n] .. tbeg[n + 1]) (a token tree's
 // ancestors that are not stored contiguously; none when tbeg is null). buf holds
 // group * (longest key list + 2 * kKeyTile) floats, rows (longest tree list) pointers.
-template <class V>
-void attend_items(const float* qp, const float* kp, const float* vp, float* op,
+template <class V, class T>
+void attend_items(const float* qp, const T* kp, const T* vp, float* op,
                   const int64_t* slots, const int64_t* pos, const int64_t* hi,
                   const int64_t* tbeg, const int64_t* tree, int64_t N, int64_t H, int64_t Hkv,
                   int64_t M, int64_t D, int64_t window, float scale, int64_t a, int64_t b,
-                  float* buf, const float** rows) {
+                  float* buf, const T** rows) {
   const int64_t group = H / Hkv;
   for (int64_t nk = a; nk < b; ++nk) {
     const int64_t n = nk % N, kvh = nk / N, p = hi ? hi[n] : pos[n];
@@ -176,7 +178,7 @@ void attend_items(const float* qp, const float* kp, const float* vp, float* op,
         sc[g] = raw[g] + skip;
         os[g] = op + (n * H + kvh * group + g0 + g) * D;
       }
-      const float* vals = vp + base + lo * D;
+      const T* vals = vp + base + lo * D;
       switch (gs) {
         case 4: score_keys<V, 4>(qs, kp + base, D, lo - skip, p, scale, raw); break;
         case 3: score_keys<V, 3>(qs, kp + base, D, lo - skip, p, scale, raw); break;
@@ -186,9 +188,9 @@ void attend_items(const float* qp, const float* kp, const float* vp, float* op,
       // the tree's keys: the same FMA sequence over d, then the scale, as every other score
       for (int64_t e = 0; e < extra; ++e)
         for (int g = 0; g < gs; ++g) {
-          const float* kf = kp + base + key_at(far[e], D);
+          const T* kf = kp + base + key_at(far[e], D);
           float s = 0.f;
-          for (int64_t d = 0; d < D; ++d) s = __builtin_fmaf(qs[g][d], kf[d * kKeyTile], s);
+          for (int64_t d = 0; d < D; ++d) s = __builtin_fmaf(qs[g][d], widen(kf[d * kKeyTile]), s);
           sc[g][len + e] = s * scale;
         }
       for (int g = 0; g < gs; ++g) inv[g] = softmax_weights(sc[g], len + extra);

@@ -12,15 +12,9 @@
 #pragma once
 #include <stdint.h>
 
-namespace {
+#include "widen.h"
 
-inline float widen(float w) { return w; }
-inline float widen(uint16_t w) {
-  const uint32_t u = static_cast<uint32_t>(w) << 16;
-  float f;
-  __builtin_memcpy(&f, &u, 4);
-  return f;
-}
+namespace {
 
 template <class V, int R, int C, class W>
 inline void tile(const float* x, int64_t ldx, const W* w, int64_t ldw, int64_t in, float* y,
