@@ -108,11 +108,12 @@ def test_amx_linear_is_row_exact_and_sums_bf16_products_in_float32():
     for out_f, in_f in [(960, 576), (48, 1536), (16, 32)]:
         w = torch.randn(out_f, in_f, generator=g).bfloat16().float()  # a bf16 checkpoint's weights
         packed = ops.pack_bf16(w)
-        x = torch.randn(37, in_f, generator=g)
+        x = torch.randn(70, in_f, generator=g)
         y = ops.linear(x, packed)
         ref = (x.bfloat16().double() @ w.double().t()).float()  # bf16 inputs, exact products
         assert (y - ref).abs().max() < 1e-5 * in_f ** 0.5, (out_f, in_f)
-        for n in (1, 2, 3, 15, 16, 17, 33):  # inside one tile, a full tile, across tiles
+        # inside one tile, a full tile, across tiles, pairs of row tiles (whole, and one short)
+        for n in (1, 2, 3, 15, 16, 17, 32, 33, 48, 64):
             assert torch.equal(ops.linear(x[:n], packed), y[:n]), (out_f, in_f, n)
         assert torch.equal(ops.linear(x[20:21], packed), y[20:21])
     torch.library.opcheck(torch.ops.angelspec.amx_linear, (x[:5], packed))
