@@ -56,10 +56,11 @@ def features(target, tokens: list[int], layers) -> dict:
     return {l: h.clone() for l, h in hidden.items()}
 
 
-def state_at(tokens, n, drafter, feats, temperature=0.0):
-    """A request whose target cache holds tokens[:n] and whose newest token is tokens[n]."""
+def state_at(tokens, n, drafter, feats, temperature=0.0, slot=0):
+    """A request in cache slot `slot` whose target cache holds tokens[:n] and whose newest token
+    is tokens[n]."""
     s = RequestState(0, list(tokens[: n + 1]), 1, SamplingParams(temperature=temperature), "x",
-                     torch.Generator().manual_seed(0) if temperature else None)
+                     torch.Generator().manual_seed(0) if temperature else None, slot=slot)
     view = s.view("x")
     drafter.on_commit(view, {l: feats[l][:n] for l in drafter.capture})
     return view
@@ -267,7 +268,7 @@ def test_batched_drafting_proposes_what_one_request_at_a_time_does(target8, tmp_
             for who in (together, alone):
                 v = views.get((who, i))
                 if v is None:
-                    views[who, i] = state_at(t, n, who, feats[i])
+                    views[who, i] = state_at(t, n, who, feats[i], slot=i)
                 else:
                     old = len(v.req.tokens) - 1
                     v.req.tokens[:] = t[: n + 1]
@@ -290,8 +291,8 @@ def test_trained_drafters_grow_trees_around_their_chain(target8, tmp_path, kind)
     chain = served(target8, tmp_path / "c", cfg, model)
     save_draft(tmp_path / "t" / kind, cfg, model.state_dict())
     tree = make_drafter(f"{kind}:branches=3", None, target8, tmp_path / "t")
-    views = lambda d: [state_at(t, len(t) - 1, d, features(target8, t, sorted(set(cfg.target_layers))))  # noqa: E731
-                       for t in seqs]
+    views = lambda d: [state_at(t, len(t) - 1, d, features(target8, t, sorted(set(cfg.target_layers))),  # noqa: E731
+                                slot=i) for i, t in enumerate(seqs)]
     chains, trees = chain.propose(views(chain)), tree.propose(views(tree))
     alone = [tree.propose([v])[0] for v in views(tree)]
     k = chain.draft_len

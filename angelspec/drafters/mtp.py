@@ -8,8 +8,11 @@ import torch
 import torch.nn as nn
 
 from angelspec.drafters.base import Proposal
-from angelspec.drafters.modules import DecoderLayer, Linear, RMSNorm, attend
-from angelspec.drafters.trained import GrowingKV, TrainedDrafter
+from angelspec.drafters.modules import DecoderLayer, Linear, RMSNorm
+from angelspec.drafters.trained import TrainedDrafter
+from angelspec.plugins import SKINNY_MAX_ROWS, served
+from angelspec.plugins.attention import kv_cache
+from angelspec.plugins.decoder_layer import decoder_layer, prepare
 
 
 class MTP(nn.Module):
@@ -28,25 +31,68 @@ class MTP(nn.Module):
         return self.fuse(torch.cat([self.enorm(token_emb), self.hnorm(hidden)], dim=-1))
 
 
+class FusedLayer:
+    """The draft's decoder layer run as the target runs its own: one `angelspec::decoder_layer`
+    op per forward (the engine's kernels and weight precision), keys and values in a cache of
+    the target's layout whose slots the caller assigns (grown as they appear). A rollout's rows
+    sit at the positions past a request's committed ones, so the next catch-up overwrites
+    them."""
+
+    def __init__(self, layer: DecoderLayer, model):
+        def weight(*linears):
+            w = torch.cat([m.weight.detach().float() for m in linears]).contiguous()
+            return w if model.weights == "float32" else served(w, model.weights)
+        self.prepared = prepare(dict(
+            in_norm=layer.in_norm.weight.detach().float().contiguous(),
+            post_norm=layer.post_norm.weight.detach().float().contiguous(),
+            qkv=weight(layer.q_proj, layer.k_proj, layer.v_proj), o=weight(layer.o_proj),
+            gate_up=weight(layer.mlp.gate, layer.mlp.up), down=weight(layer.mlp.down),
+            qkv_b=None, o_b=None, gate_up_b=None, down_b=None), layer.in_norm.eps)
+        self.nq, self.nkv, self.hd = layer.nq, layer.nkv, layer.hd
+        self.cos, self.sin, self.max_len, self.dtype = model.cos, model.sin, model.max_len, model.kv_dtype
+        self.k = self.v = None
+
+    def __call__(self, x: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [N, h] at (slot, position) each -> the layer's output [N, h]; caches the rows' keys
+        and values. Rows of one request in position order attend to its cache up to their own."""
+        top = int(slots.max()) + 1
+        if self.k is None or self.k.shape[0] < top:
+            k, v = kv_cache(max(top, 2 * (0 if self.k is None else self.k.shape[0])), self.nkv,
+                            self.hd, self.max_len, self.dtype)
+            if self.k is not None:
+                k[: self.k.shape[0]], v[: self.v.shape[0]] = self.k, self.v
+            self.k, self.v = k, v
+        out = [decoder_layer(x[a: a + SKINNY_MAX_ROWS], self.prepared, self.cos, self.sin,
+                             positions[a: a + SKINNY_MAX_ROWS], self.nq, self.nkv, self.k, self.v,
+                             slots[a: a + SKINNY_MAX_ROWS], positions[a: a + SKINNY_MAX_ROWS], None, None)
+               for a in range(0, len(x), SKINNY_MAX_ROWS)]
+        return out[0] if len(out) == 1 else torch.cat(out)
+
+
 class MTPDrafter(TrainedDrafter):
     name = "mtp"
     model_cls = MTP
 
+    def __init__(self, target, path, **options):
+        super().__init__(target, path, **options)
+        self.layer = FusedLayer(self.model.layer, target.model)
+
     @torch.inference_mode()
     def propose(self, states: list) -> list[Proposal]:
-        """Every request at once: one pass catches up each request's cache on its newly committed
-        positions (the target's hidden states as inputs), then k rollout steps, each one forward
-        over one row per request. Only attention runs per request (over its own cache); the
-        projections, the MLP and the lm_head read their weights once for the whole batch."""
+        """Every request at once: one forward catches up each request's cache on its newly
+        committed positions (the target's hidden states as inputs), then k - 1 rollout steps,
+        each one forward over one row per chain, its own output hidden state and token standing
+        in for the target's. The layer is one op over all rows (FusedLayer); the lm_head reads
+        its weights once for the batch. With `branches` b > 1 each of a request's b best first
+        guesses is continued greedily in a cache slot of its own (slot * b + j: the catch-up is
+        written into each), keeping the b best guesses at each step (proposals_from_chains)."""
         k = self.draft_len
         if k == 0 or not states:
             return [Proposal.empty() for _ in states]
-        model, fz, layer = self.model, self.frozen, self.model.layer
-        caches, starts, news = [], [], []
-        embs, hids, poss = [], [], []
+        model, fz, layer, b = self.model, self.frozen, self.layer, self.branches
+        embs, hids, poss, slots, news = [], [], [], [], []
         for s in states:
             st = s.drafter_state
-            caches.append(st.setdefault("kv", GrowingKV(layer.nkv, layer.hd)))
             start = st.get("real", 0)  # positions whose real (target-hidden) input is cached
             h = self.take_pending(s)[self.cfg.target_num_layers]  # rows for start..n-1
             n = start + len(h)
@@ -54,52 +100,28 @@ class MTPDrafter(TrainedDrafter):
             embs.append(fz.embed[torch.tensor(s.tokens[start + 1: n + 1])])
             hids.append(h)
             poss.append(torch.arange(start, n))
-            starts.append(start)
+            slots.append(torch.full((n - start,), s.slot * b))
             news.append(n)
             st["real"] = n
-        x = model.inputs(torch.cat(embs), torch.cat(hids))
-        q, kk, vv = layer.qkv(x, *fz.rope_tables(torch.cat(poss)))
-        attn, row = [], 0
-        for cache, start, n in zip(caches, starts, news):
-            m = n - start
-            cache.write(start, kk[:, row: row + m], vv[:, row: row + m])
-            attn.append(attend(q[:, row + m - 1: row + m], *cache.upto(n)))  # the last row's
-            row += m
-        last = x[torch.tensor([n - s0 for n, s0 in zip(news, starts)]).cumsum(0) - 1]
-        o = layer.finish(last, torch.cat(attn, dim=-2))  # [B, h]: each request's newest position
-        first, conf1 = self.choose(fz.logits(o), states)  # [B, branches]
-        return self.proposals_from_chains(self.rollout(states, caches, news, o, first, k), first, conf1)
-
-    def rollout(self, states: list, caches: list, news: list[int], o: torch.Tensor,
-                first: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each of the `branches` first guesses of each request continued greedily for k - 1
-        more tokens, its own output hidden state and token standing in for the target's: one
-        forward per step over all B * branches chains (each attends to its request's cache and
-        its own earlier steps). Returns tokens, confidence [B, branches, k - 1, branches]: at
-        each step every chain's best `branches` guesses (the first one goes on)."""
-        model, fz, layer = self.model, self.frozen, self.model.layer
-        b = first.shape[1]
-        rows = [(r, j) for r in range(len(states)) for j in range(b)]
-        row_states = [states[r] for r, _ in rows]
-        o, prev = o.repeat_interleave(b, 0), first.reshape(-1)
-        own_k, own_v = [[] for _ in rows], [[] for _ in rows]
-        tokens, confs = [], []
-        for step in range(1, k):
-            x = model.inputs(fz.embed[prev], o)
-            pos = torch.tensor([news[r] - 1 + step for r, _ in rows])
-            q, kk, vv = layer.qkv(x, *fz.rope_tables(pos))
-            attn = []
-            for i, (r, _) in enumerate(rows):
-                own_k[i].append(kk[:, i: i + 1])
-                own_v[i].append(vv[:, i: i + 1])
-                ck, cv = caches[r].upto(news[r])
-                attn.append(attend(q[:, i: i + 1], torch.cat([ck, *own_k[i]], 1), torch.cat([cv, *own_v[i]], 1)))
-            o = layer.finish(x, torch.cat(attn, dim=-2))
-            t, c = self.choose(fz.logits(o), row_states)  # [B * b, b]
+        x, pos, slot = model.inputs(torch.cat(embs), torch.cat(hids)), torch.cat(poss), torch.cat(slots)
+        out = layer(x.repeat(b, 1), torch.cat([slot + j for j in range(b)]), pos.repeat(b))
+        o = out[torch.tensor([len(p) for p in poss]).cumsum(0) - 1]  # each request's newest position
+        first, conf1 = self.choose(fz.logits(o), states)  # [R, b]
+        # the rollout: row r * b + j continues request r's j-th first guess
+        rows = [s for s in states for _ in range(b)]
+        slot = (torch.tensor([s.slot * b for s in states])[:, None] + torch.arange(b)).reshape(-1)
+        pos = (torch.tensor(news) - 1).repeat_interleave(b)
+        steps = max(min(k, layer.max_len - int(pos.max())), 1)  # rollout positions stay in the cache
+        o, prev, tokens, confs = o.repeat_interleave(b, 0), first.reshape(-1), [], []
+        for step in range(1, steps):
+            o = layer(model.inputs(fz.embed[prev], o), slot, pos + step)
+            t, c = self.choose(fz.logits(o), rows)  # [R * b, b]
             tokens.append(t)
             confs.append(c)
             prev = t[:, 0]
         if not tokens:
-            return first.new_zeros(len(states), b, 0, b), torch.zeros(len(states), b, 0, b)
-        return (torch.stack(tokens, 1).unflatten(0, (len(states), b)),
-                torch.stack(confs, 1).unflatten(0, (len(states), b)))
+            cont = first.new_zeros(len(states), b, 0, b), torch.zeros(len(states), b, 0, b)
+        else:
+            cont = (torch.stack(tokens, 1).unflatten(0, (len(states), b)),
+                    torch.stack(confs, 1).unflatten(0, (len(states), b)))
+        return self.proposals_from_chains(cont, first, conf1)
