@@ -91,17 +91,18 @@ for scheme in ("w8a8", "w4a8"):
     for out_f, in_f in [(576, 64), (48, 576), (32, 96), (48, 1536)]:
         w = ops.quantize(torch.randn(out_f, in_f, generator=g), scheme)
         assert w.int8_activations
-        x = torch.randn(11, in_f, generator=g)
-        for n in (1, 2, 5, 11):
+        x = torch.randn(40, in_f, generator=g)
+        for n in (1, 2, 5, 11, 16, 40):
             h.update(ops.linear(x[:n], w).numpy().tobytes())
 print(h.hexdigest())
 """
 
 
 def test_int8_activation_schemes_give_the_same_bits_on_every_isa():
-    """The integer dot kernel: AVX2's, and AVX512-VNNI's where the CPU has it (a tile of 16
-    outputs per vector, one instruction for the integer step), compute the same numbers, so an
-    engine decodes alike on both."""
+    """The integer dot kernel: AVX2's, AVX512-VNNI's where the CPU has it (a tile of 16 outputs
+    per vector, one instruction for the integer step) and, from 8 (int8) or 16 (int4) rows,
+    AMX-INT8's where it has tiles (a block of 16 rows per tile product), compute the same
+    numbers, so an engine decodes alike on all of them."""
     native, avx2 = run_on_each_isa(SAME)
     assert native == avx2 and len(native.strip()) == 64
 

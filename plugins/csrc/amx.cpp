@@ -10,13 +10,9 @@
 #include <immintrin.h>
 #include <stdint.h>
 
-namespace {
-struct TileConfig {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
+#include "amx_tile.h"
 
+namespace {
 // Tiles for up to 16 rows: 0-3 fp32 accumulators (16 rows x 16 outputs each), 4 activations
 // (16 rows x 32 bf16), 5 and 6 weights (16 pairs of inputs x 16 outputs, VNNI layout: 1 KB per
 // block). For 32 rows: 0-3 accumulators of a 2 x 2 block (rows r, outputs c at 2r + c), 4 and 5

@@ -31,19 +31,26 @@ void check_shapes(int64_t out, int64_t in, const char* op) {
 }
 }  // namespace
 
-// The CPU has AMX-BF16 and Linux granted this process the tile state (asked once).
-// ANGELSPEC_NO_AMX=1 says no (tests and benchmarks use it to run the paths of CPUs without tiles).
-bool amx_available() {
-  static const bool yes = [] {
-    if (std::getenv("ANGELSPEC_NO_AMX")) return false;
+namespace {
+// CPUID.(7, 0).EDX bits (24: AMX-TILE, 22: AMX-BF16, 25: AMX-INT8) all set, Linux granted this
+// process the tile state (asked once), and ANGELSPEC_NO_AMX unset.
+bool amx_with(unsigned bits) {
+  static const unsigned features = [] {
+    if (std::getenv("ANGELSPEC_NO_AMX")) return 0u;
     unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-    const bool tile = d & (1u << 24), bf16 = d & (1u << 22);
-    return tile && bf16 && syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
-                                   18 /* XFEATURE_XTILEDATA */) == 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24))) return 0u;
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0 ? d : 0u;
   }();
-  return yes;
+  return (features & bits) == bits;
 }
+}  // namespace
+
+// The CPU has AMX-BF16 and Linux granted this process the tile state.
+// ANGELSPEC_NO_AMX=1 says no (tests and benchmarks use it to run the paths of CPUs without tiles).
+bool amx_available() { return amx_with((1u << 24) | (1u << 22)); }
+
+// Likewise for AMX-INT8 (the w8a8 / w4a8 kernels' tile path, quant_dot.cpp).
+bool amx_int8_available() { return amx_with((1u << 24) | (1u << 25)); }
 
 // w [out, in] float -> the same shape in bf16, laid out block by block: 16 outputs x 32 inputs
 // per 1 KB block, (output block, input block) order, inputs paired per output (VNNI).
