@@ -1,12 +1,12 @@
 // The w8a8 / w4a8 integer dot kernel (dot_tile.h) on the AMX-INT8 tile unit, for calls of many
-// rows (quant_dot.cpp's amx_rows): one tile product gives a block's integer sums I for 16 rows x 16 outputs at once
-// (TDPBSUD: x signed times int4 weights 0-15 unsigned; TDPBSSD: both signed for int8), where
-// vnni.cpp spends 8 instructions per row. The weights' layout is already the tile's (8 groups of
-// 4 inputs x 16 outputs per block); int4's nibbles are split into that layout ahead. The
-// integers are exact, so they equal vnni.cpp's, and the float steps after them are the same
-// elementwise chain per (row, output): the same numbers as every other kernel, row-exact.
-// Like avx512.cpp, it includes no torch or standard C++ headers; it is only called after
-// quant_dot.cpp has checked the CPU and asked Linux for tile state (amx_int8_available).
+// rows (quant_dot.cpp's amx_rows): one tile product gives a block's integer sums I for 16 rows x
+// 16 outputs at once (TDPBSUD: x signed times int4 weights 0-15 unsigned; TDPBSSD: both signed
+// for int8), where vnni.cpp spends 8 instructions per row. The weights' layout is already the
+// tile's (8 groups of 4 inputs x 16 outputs per block); int4's nibbles are spread into that
+// layout ahead. The integers are exact, so they equal vnni.cpp's, and the float steps after them
+// are the same elementwise chain per (row, output): the same numbers as every other kernel,
+// row-exact. Like avx512.cpp, it includes no torch or standard C++ headers; it is only called
+// after quant_dot.cpp has checked the CPU and asked Linux for tile state (amx_int8_available).
 #pragma GCC target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx2,fma,f16c")
 #include <immintrin.h>
 #include <stdint.h>

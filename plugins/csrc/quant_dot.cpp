@@ -26,8 +26,8 @@ bool use_vnni() {
 }
 
 // From this many rows the tile unit beats VNNI (measured on a Xeon with AMX-INT8: int8 weights
-// 1.7x faster at 8 rows, 2x from 16; int4, whose nibbles VNNI takes as they lie, 1.1x at 16
-// rows, 1.3x from 32). ANGELSPEC_NO_AMX=1 turns it off with the bf16 tiles.
+// 1.3-1.5x faster at 8 rows, 1.9-2.2x at 16-64; int4, whose nibbles VNNI takes as they lie,
+// 1.05-1.1x at 16 rows, 1.1-1.3x at 32-64). ANGELSPEC_NO_AMX=1 turns it off with the bf16 tiles.
 int64_t amx_rows(int64_t bits) { return bits == 8 ? 8 : 16; }
 }  // namespace
 
