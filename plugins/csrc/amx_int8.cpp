@@ -87,7 +87,7 @@ inline void rows_amx(const int8_t* xq, const float* d, const float* ds, const ui
   for (int64_t j = 0; j < pairs; ++j) {
     if (j + 1 < pairs) issue(j + 1);
     for (int64_t g = g0 + 2 * j; g < g0 + 2 * j + 2 && g < g1; ++g) {
-      if constexpr (Bits == 8) fetch_ahead<8>(w + (g - g0) * 512, scale + so + g * kTile, nullptr);
+      if constexpr (Bits == 8) fetch_ahead<8>(w + (g - g0) * 512, scale, offset, so + g * kTile);
       const int32_t* sg = sums + 512 * (j % 2) + 256 * (g - g0 - 2 * j);
       const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale + so + g * kTile)));
       __m512 mv = _mm512_setzero_ps();
@@ -120,7 +120,7 @@ void dot_tiles_amx(const int8_t* xq, const float* d, const float* ds, const uint
       const uint8_t* w = q + (t * blocks + g0) * tile_block_bytes(Bits);
       if constexpr (Bits == 4) {  // low nibbles: inputs 4j..4j+3 of a block; high: 16+4j..19+4j
         for (int64_t g = 0; g < g1 - g0; ++g) {
-          fetch_ahead<Bits>(w + g * 256, scale + so + (g0 + g) * kTile, offset + so + (g0 + g) * kTile);
+          fetch_ahead<Bits>(w + g * 256, scale, offset, so + (g0 + g) * kTile);
           for (int j = 0; j < 4; ++j) {
             const __m512i v = _mm512_loadu_si512(w + g * 256 + 64 * j);
             _mm512_store_si512(wb + g * 512 + 64 * j, _mm512_and_si512(v, low));

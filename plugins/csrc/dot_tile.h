@@ -72,12 +72,13 @@ constexpr int64_t tile_block_bytes(int bits) { return bits == 8 ? 512 : 256; }
 // the hint a matmul of a few rows waits on memory, then computes (weights out of cache, on an AMX
 // Xeon: VNNI 1.13x faster at 1 row, 1.25-1.45x at 2-8; AVX2 1.13-1.18x; AMX-INT8 1.09x at 16).
 constexpr int64_t kAhead = 8;
+// qg: the block's weights; i: its scales' index in scale (and offset: int4 only, else null).
 template <int Bits>
-inline void fetch_ahead(const uint8_t* qg, const uint16_t* sg, const uint16_t* og) {
+inline void fetch_ahead(const uint8_t* qg, const uint16_t* scale, const uint16_t* offset, int64_t i) {
   const char* p = reinterpret_cast<const char*>(qg + kAhead * tile_block_bytes(Bits));
   for (int l = 0; l < tile_block_bytes(Bits); l += 64) _mm_prefetch(p + l, _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(sg + kAhead * kTile), _MM_HINT_T0);
-  if constexpr (Bits == 4) _mm_prefetch(reinterpret_cast<const char*>(og + kAhead * kTile), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(scale + i + kAhead * kTile), _MM_HINT_T0);
+  if constexpr (Bits == 4) _mm_prefetch(reinterpret_cast<const char*>(offset + i + kAhead * kTile), _MM_HINT_T0);
 }
 
 // 4 bytes of x as one int32 (to broadcast).
@@ -103,7 +104,7 @@ inline void dot_half_avx2(const int8_t* xq, const float* d, const float* ds, con
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < blocks; ++g) {
     const uint8_t* qg = qt + g * tile_block_bytes(Bits);
-    if (h == 0) fetch_ahead<Bits>(qg, scale + so + g * kTile, offset + so + g * kTile);
+    if (h == 0) fetch_ahead<Bits>(qg, scale, offset, so + g * kTile);
     __m256i dot[R];
     if constexpr (Bits == 4) {
       __m256i s16[R];

@@ -25,7 +25,7 @@ inline void dot_tile_vnni(const int8_t* xq, const float* d, const float* ds, con
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < blocks; ++g) {
     const uint8_t* qg = qt + g * tile_block_bytes(Bits);
-    fetch_ahead<Bits>(qg, scale + so + g * kTile, offset + so + g * kTile);
+    fetch_ahead<Bits>(qg, scale, offset, so + g * kTile);
     __m512i dot[R];
     for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
     if constexpr (Bits == 4) {
