@@ -60,11 +60,10 @@ torch::Tensor quant_dot_linear(const torch::Tensor& x, const torch::Tensor& q, c
   auto y = torch::empty({n, out}, xc.options());
   // x's int8 levels and scales: scratch of the calling thread, reused from call to call; the
   // tile kernel reads whole blocks of 16 rows, so it gets zero rows up to a multiple of 16
-  const DotTiles fn = n >= amx_rows(bits) && use_vnni() && amx_int8_available() ? dot_tiles_amx_for(bits)
-                      : use_vnni() ? dot_tiles_vnni_for(bits)
-                      : bits == 8  ? &dot_tiles_avx2<8>
-                                   : &dot_tiles_avx2<4>;
-  const int64_t blocks = in / kBlock, rows = fn == dot_tiles_amx_for(bits) ? (n + 15) / 16 * 16 : n;
+  const bool tiles = n >= amx_rows(bits) && use_vnni() && amx_int8_available();
+  const DotTiles fn = tiles ? dot_tiles_amx_for(bits) : use_vnni() ? dot_tiles_vnni_for(bits)
+                      : bits == 8 ? &dot_tiles_avx2<8> : &dot_tiles_avx2<4>;
+  const int64_t blocks = in / kBlock, rows = tiles ? (n + 15) / 16 * 16 : n;
   thread_local std::vector<int8_t> xq_buf;
   thread_local std::vector<float> d_buf;
   xq_buf.resize(rows * in);
