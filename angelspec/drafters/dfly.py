@@ -13,7 +13,8 @@ import torch.nn as nn
 
 from angelspec.drafters.base import Proposal
 from angelspec.drafters.modules import DecoderLayer, Linear, RMSNorm, SwiGLU, grouped
-from angelspec.drafters.trained import GrowingKV, TrainedDrafter
+from angelspec.drafters.trained import SlotCache, TrainedDrafter
+from angelspec.plugins import cached_attention
 from angelspec.plugins.dfly_head import draft_head
 
 
@@ -94,18 +95,6 @@ class DFly(nn.Module):
             x = layer.finish(x, _block_attention(layer, q, kb, vb, kc, vc, ctx_mask))
         return x
 
-    def blocks(self, x: torch.Tensor, cos, sin, contexts: list[list[tuple]]) -> torch.Tensor:
-        """One block per request, each over its own context: x [R, B, h], contexts[r] the
-        request's (k, v) per layer ([Hkv, T_r, D], views of its cache). The projections and the
-        MLP run over all R*B rows at once; only attention runs per request, exactly as `block`
-        runs it for one request alone."""
-        for i, layer in enumerate(self.layers):
-            q, kb, vb = layer.qkv(x, cos, sin)  # [R, H(kv), B, D]
-            attn = [_block_attention(layer, q[r: r + 1], kb[r: r + 1], vb[r: r + 1], *ctx[i])
-                    for r, ctx in enumerate(contexts)]
-            x = layer.finish(x, torch.cat(attn))
-        return x
-
     def head(self, h: torch.Tensor, prev_emb: torch.Tensor | None) -> torch.Tensor:
         """Hidden states before the lm_head; DFly corrects each by its predecessor token."""
         if not self.cfg.ar_head:
@@ -117,39 +106,44 @@ class DFlyDrafter(TrainedDrafter):
     name = "dfly"
     model_cls = DFly
 
+    def __init__(self, target, path, **options):
+        super().__init__(target, path, **options)
+        m = target.model  # the context and the block, each layer's keys in one cache (SlotCache)
+        self.caches = [SlotCache(l.nkv, l.hd, m.max_len + self.cfg.block_size, m.kv_dtype)
+                       for l in self.model.layers]
+
     @torch.inference_mode()
     def propose(self, states: list) -> list[Proposal]:
         """Every request at once: one pass projects all requests' newly committed context
-        features into their caches, one forward drafts every request's block (each attending
-        to its own context, in place), and one op runs every block's AR chain, link by link."""
+        features into their slots of the draft's caches, one forward drafts every request's block
+        (attention through the engine's kernel, all blocks in one call per layer), and one op
+        runs every block's AR chain, link by link."""
         k = self.draft_len
         if k == 0 or not states:
             return [Proposal.empty() for _ in states]
         model, fz, layers = self.model, self.frozen, self.cfg.target_layers
-        caches, starts, ends, feats = [], [], [], {l: [] for l in layers}
+        starts, ends, feats = [], [], {l: [] for l in layers}
         for s in states:
             st = s.drafter_state
-            caches.append(st.setdefault("kv", [GrowingKV(l.nkv, l.hd) for l in model.layers]))
             new = self.take_pending(s)
             starts.append(st.get("ctx", 0))
             ends.append(starts[-1] + len(new[self.capture[0]]))
             for l in layers:
                 feats[l].append(new[l])
             st["ctx"] = ends[-1]
+        slots = torch.tensor([s.slot for s in states])
         pos = torch.cat([torch.arange(a, e) for a, e in zip(starts, ends)])
-        kvs = model.context_kv(model.context([torch.cat(feats[l]) for l in layers]), *fz.rope_tables(pos))
-        row = 0
-        for req, (a, e) in zip(caches, zip(starts, ends)):
-            for cache, (kk, vv) in zip(req, kvs):
-                cache.write(a, kk[:, row: row + e - a], vv[:, row: row + e - a])
-            row += e - a
+        if len(pos):
+            rows = slots.repeat_interleave(torch.tensor(ends) - torch.tensor(starts))
+            kvs = model.context_kv(model.context([torch.cat(feats[l]) for l in layers]), *fz.rope_tables(pos))
+            for cache, (kk, vv) in zip(self.caches, kvs):
+                cache.write(rows, pos, kk.transpose(0, 1), vv.transpose(0, 1))
         # the blocks: request r's [anchor, MASK...] at positions n_r .. n_r + b - 1
         b = self.cfg.block_size
         anchors = torch.tensor([s.tokens[-1] for s in states])  # at position n: the newest token
         x = torch.cat([fz.embed[anchors][:, None], model.mask_embed.expand(len(states), b - 1, -1)], 1)
         positions = torch.tensor(ends)[:, None] + torch.arange(b)[None, :]  # [R, b]
-        contexts = [[c.upto(n) for c in req] for req, n in zip(caches, ends)]
-        hidden = model.blocks(x, *fz.rope_tables(positions), contexts)[:, 1: k + 1]
+        hidden = self.blocks(x, positions, slots)[:, 1: k + 1]
         w = self.branches
         if not self.cfg.ar_head:  # DFlash: a position's guesses do not depend on the tokens before it
             t, c = self.choose(fz.logits(hidden), states)  # [R, k, w]
@@ -166,6 +160,25 @@ class DFlyDrafter(TrainedDrafter):
             alt_t, alt_c = (a.unflatten(0, (len(states), w - 1)).expand(-1, -1, -1, w) for a in alt)
             rest_t, rest_c = torch.cat([rest_t, alt_t], 1), torch.cat([rest_c, alt_c], 1)
         return self.proposals_from_chains((rest_t, rest_c), t[:, 0], c[:, 0])
+
+    def blocks(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """The draft layers over one block per request: x [R, b, h] at positions [R, b] of slots
+        [R]. Each layer writes the blocks' keys and values into its cache, then every row attends
+        to its slot's keys up to the block's last position (the context and its whole block,
+        bidirectionally) in one cached_attention call: each row passes the block's last key and
+        value, which the kernel writes where they already are."""
+        r, b = positions.shape
+        cos, sin = self.frozen.rope_tables(positions)
+        row_slots, row_pos = slots.repeat_interleave(b), positions.reshape(-1)
+        last = positions[:, -1].repeat_interleave(b)
+        rows = lambda t: t.transpose(1, 2).reshape(r * b, t.shape[1], t.shape[-1])  # noqa: E731
+        for layer, cache in zip(self.model.layers, self.caches):
+            q, kb, vb = layer.qkv(x, cos, sin)  # [R, H(kv), b, D]
+            cache.write(row_slots, row_pos, rows(kb), rows(vb))
+            kl, vl = (rows(t[:, :, -1:].expand(-1, -1, b, -1)) for t in (kb, vb))
+            attn = cached_attention(rows(q).contiguous(), kl, vl, cache.k, cache.v, row_slots, last)
+            x = layer.finish(x, attn.view(r, b, -1, attn.shape[-1]).transpose(1, 2))
+        return x
 
     def ar_chains(self, hidden: torch.Tensor, anchors: torch.Tensor, cands, width: int):
         """The AR head's chains over hidden [R, n, h] from anchors [R]: tokens, confidence

@@ -1,5 +1,7 @@
 """MTP drafter (docs/algorithms.md, section 1): one decoder layer of the target's architecture over a
-DeepSeek-V3 style fusion of the next token's embedding and the target's last hidden state.
+DeepSeek-V3 style fusion of the next token's embedding and the target's last hidden state (or, with
+several target layers, their concatenation projected to one hidden state, as EAGLE-3 fuses low,
+middle and high features).
 Drafting D tokens applies the layer D times, its own output hidden state and token standing in
 for the target's from the second step on. Embedding, final norm and lm_head are the target's."""
 from __future__ import annotations
@@ -9,9 +11,8 @@ import torch.nn as nn
 
 from angelspec.drafters.base import Proposal
 from angelspec.drafters.modules import DecoderLayer, Linear, RMSNorm
-from angelspec.drafters.trained import TrainedDrafter
+from angelspec.drafters.trained import SlotCache, TrainedDrafter
 from angelspec.plugins import SKINNY_MAX_ROWS, served
-from angelspec.plugins.attention import kv_cache
 from angelspec.plugins.decoder_layer import decoder_layer, prepare
 
 
@@ -25,6 +26,20 @@ class MTP(nn.Module):
         self.fuse = Linear(2 * h, h, bias=False)
         self.layer = DecoderLayer(cfg)
         self.register_buffer("vocab_ids", torch.arange(cfg.draft_vocab or cfg.vocab_size))
+        if len(cfg.target_layers) > 1:  # starts as the last hidden state alone
+            self.fc = Linear(len(cfg.target_layers) * h, h, bias=False)
+            last = cfg.target_layers.index(max(cfg.target_layers))
+            with torch.no_grad():
+                self.fc.weight.zero_()
+                self.fc.weight[:, last * h: (last + 1) * h] = torch.eye(h)
+
+    def features(self, feats: dict) -> torch.Tensor:
+        """The target hidden state the draft reads at each position, from {layer: [..., h]}: the
+        last layer's, or fc over the concatenated target layers."""
+        layers = self.cfg.target_layers
+        if len(layers) == 1:
+            return feats[layers[0]]
+        return self.fc(torch.cat([feats[l].float() for l in layers], dim=-1))
 
     def inputs(self, token_emb: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """x = fuse([RMSNorm(embed(next token)) ; RMSNorm(hidden)])."""
@@ -48,22 +63,17 @@ class FusedLayer:
             qkv=weight(layer.q_proj, layer.k_proj, layer.v_proj), o=weight(layer.o_proj),
             gate_up=weight(layer.mlp.gate, layer.mlp.up), down=weight(layer.mlp.down),
             qkv_b=None, o_b=None, gate_up_b=None, down_b=None), layer.in_norm.eps)
-        self.nq, self.nkv, self.hd = layer.nq, layer.nkv, layer.hd
-        self.cos, self.sin, self.max_len, self.dtype = model.cos, model.sin, model.max_len, model.kv_dtype
-        self.k = self.v = None
+        self.nq, self.nkv = layer.nq, layer.nkv
+        self.cos, self.sin, self.max_len = model.cos, model.sin, model.max_len
+        self.cache = SlotCache(layer.nkv, layer.hd, model.max_len, model.kv_dtype)
 
     def __call__(self, x: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [N, h] at (slot, position) each -> the layer's output [N, h]; caches the rows' keys
         and values. Rows of one request in position order attend to its cache up to their own."""
-        top = int(slots.max()) + 1
-        if self.k is None or self.k.shape[0] < top:
-            k, v = kv_cache(max(top, 2 * (0 if self.k is None else self.k.shape[0])), self.nkv,
-                            self.hd, self.max_len, self.dtype)
-            if self.k is not None:
-                k[: self.k.shape[0]], v[: self.v.shape[0]] = self.k, self.v
-            self.k, self.v = k, v
+        c = self.cache
+        c.fit(slots)
         out = [decoder_layer(x[a: a + SKINNY_MAX_ROWS], self.prepared, self.cos, self.sin,
-                             positions[a: a + SKINNY_MAX_ROWS], self.nq, self.nkv, self.k, self.v,
+                             positions[a: a + SKINNY_MAX_ROWS], self.nq, self.nkv, c.k, c.v,
                              slots[a: a + SKINNY_MAX_ROWS], positions[a: a + SKINNY_MAX_ROWS], None, None)
                for a in range(0, len(x), SKINNY_MAX_ROWS)]
         return out[0] if len(out) == 1 else torch.cat(out)
@@ -94,7 +104,7 @@ class MTPDrafter(TrainedDrafter):
         for s in states:
             st = s.drafter_state
             start = st.get("real", 0)  # positions whose real (target-hidden) input is cached
-            h = self.take_pending(s)[self.cfg.target_num_layers]  # rows for start..n-1
+            h = model.features(self.take_pending(s))  # rows for start..n-1
             n = start + len(h)
             # real inputs at positions p = start..n-1: (embed(token p+1), target hidden at p)
             embs.append(fz.embed[torch.tensor(s.tokens[start + 1: n + 1])])

@@ -11,27 +11,35 @@ from angelspec.drafters.base import Drafter, Proposal
 from angelspec.drafters.draft_checkpoint import DraftConfig, load_draft
 from angelspec.drafters.modules import Frozen, Linear
 from angelspec.plugins import served
+from angelspec.plugins.attention import KEY_TILE, kv_cache
 from angelspec.sampling import probs_from_logits
 
 
-class GrowingKV:
-    """One request's keys and values [Hkv, T, D] of a draft layer, grown as positions arrive."""
+class SlotCache:
+    """A draft layer's keys and values in the target's cache layout (plugins.attention.kv_cache,
+    the engine's KV value type), a slot per request or branch as the caller assigns them, grown
+    as slots appear; positions up to `max_len`. Entries past a request's committed positions are
+    stale and overwritten by its next step, as in the target's cache."""
 
-    def __init__(self, nkv: int, hd: int):
-        self.k = torch.zeros(nkv, 64, hd)
-        self.v = torch.zeros(nkv, 64, hd)
+    def __init__(self, nkv: int, hd: int, max_len: int, dtype=torch.float32):
+        self.nkv, self.hd, self.max_len, self.dtype = nkv, hd, max_len, dtype
+        self.k = self.v = None
 
-    def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        end = start + k.shape[-2]
-        if end > self.k.shape[1]:  # at least double, so growing costs O(1) per position
-            size = max(end, 2 * self.k.shape[1])
-            grow = lambda t: torch.cat([t, t.new_zeros(t.shape[0], size - t.shape[1], t.shape[2])], 1)  # noqa: E731
-            self.k, self.v = grow(self.k), grow(self.v)
-        self.k[:, start:end] = k
-        self.v[:, start:end] = v
+    def fit(self, slots: torch.Tensor) -> None:
+        """Room for every slot in `slots` (doubling: growing costs O(1) per slot)."""
+        top = int(slots.max()) + 1
+        if self.k is None or self.k.shape[0] < top:
+            have = 0 if self.k is None else self.k.shape[0]
+            k, v = kv_cache(max(top, 2 * have), self.nkv, self.hd, self.max_len, self.dtype)
+            if have:
+                k[:have], v[:have] = self.k, self.v
+            self.k, self.v = k, v
 
-    def upto(self, end: int):
-        return self.k[:, :end], self.v[:, :end]
+    def write(self, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keys and values [N, Hkv, D] of rows at (slot, position) each."""
+        self.fit(slots)
+        self.k[slots, :, positions // KEY_TILE, :, positions % KEY_TILE] = k.to(self.dtype)
+        self.v[slots, :, positions] = v.to(self.dtype)
 
 
 def choose(logits: torch.Tensor, ids: torch.Tensor, states: list,

@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstring>
 #include <vector>
+#include <xmmintrin.h>
 
 #include "vec.h"
 #include "attention_tile.h"
@@ -62,10 +63,17 @@ void write_and_attend(const float* ks, const float* vs, T* kd, T* vd, const floa
   auto* fn = use_avx512() ? static_cast<decltype(&attend_items<V256, T>)>(&attend_items_avx512)
                           : &attend_items<V256, T>;
   at::parallel_for(0, N * Hkv, 1, [&](int64_t a, int64_t b) {
+    // denormals read and written as zero while this thread attends: where a row attends sharply
+    // (a draft's block to itself), its first keys' weights times their values are below
+    // float32's normal range, and summing those took the CPU's slow path at every step (a DFly
+    // block's attention ran ~10x slower than with zeros). The same for every row, so row-exact.
+    const unsigned int csr = _mm_getcsr();
+    _mm_setcsr(csr | 0x8040u);  // FTZ | DAZ
     std::vector<float> buf((H / Hkv) * (longest + 2 * kKeyTile));
     std::vector<const T*> rows(widest);
     fn(qp, kd, vd, op, slp, pp, is_tree ? hi.data() : nullptr, is_tree ? tbeg.data() : nullptr,
        tree.data(), N, H, Hkv, M, D, window, scale, a, b, buf.data(), rows.data());
+    _mm_setcsr(csr);
   });
 }
 }  // namespace
