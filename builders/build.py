@@ -155,6 +155,9 @@ def _build(target_dir: pathlib.Path, drafts_dir: pathlib.Path, out: pathlib.Path
                                 "build without a router)")
     if drafters and not drafts_dir.is_dir():
         raise FileNotFoundError(f"{drafts_dir}: no such drafts folder (run `make drafts`)")
+    unknown = [k for k in drafters or [] if k not in (*TRAINED, "ngram")]
+    if unknown:
+        raise ValueError(f"unknown draft kind(s) {', '.join(unknown)}: {', '.join(TRAINED)} or ngram")
     if kv_cache not in ("auto", *KV_CACHES):
         raise ValueError(f"unknown KV cache {kv_cache!r} (auto, {', '.join(KV_CACHES)})")
     target = load_target(target_dir)
@@ -164,7 +167,8 @@ def _build(target_dir: pathlib.Path, drafts_dir: pathlib.Path, out: pathlib.Path
         kv_cache = "float32" if weights["exact"] and not rounds else "bfloat16"
     target.model.kv_dtype = KV_CACHES[kv_cache]
     target.model.serve(weights["dtype"])  # everything below is measured as it will serve
-    kinds = drafters or [k for k in TRAINED if (drafts_dir / k / "config.json").exists()]
+    kinds = [k for k in drafters if k != "ngram"] if drafters else \
+        [k for k in TRAINED if (drafts_dir / k / "config.json").exists()]  # ngram: always
     bar = tqdm(total=6, desc="build", unit="step", file=sys.stderr)
 
     bar.set_postfix_str("checking drafts")
@@ -250,7 +254,8 @@ def add_arguments(p) -> None:
                    help="target checkpoint folder (Hugging Face Llama family)")
     p.add_argument("--drafts", default="build/drafts", help="folder of trained drafts (<drafts>/<kind>/)")
     p.add_argument("--drafters", default=None,
-                   help="comma-separated draft kinds to include (default: every one found in --drafts)")
+                   help="comma-separated trained draft kinds to include (mtp, dfly, dflash; default: "
+                        "every one found in --drafts); ngram is always in")
     p.add_argument("--data", default="build/data",
                    help="output of `angelspec data`: its prompts train the auto router's classifier; "
                         "'' builds without a router")

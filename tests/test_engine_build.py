@@ -174,6 +174,9 @@ def test_build_checks_its_inputs_first_and_never_leaves_a_partial_engine(parts, 
     with pytest.raises(FileNotFoundError, match="prompts.jsonl not found"):
         build(str(root / "target"), str(root / "drafts"), str(tmp_path / "e"),
               str(tmp_path / "no-data"), backends=("eager",), max_tokens=8)
+    with pytest.raises(ValueError, match="unknown draft kind.s. eagle: mtp, dfly, dflash or ngram"):
+        build(str(root / "target"), str(root / "drafts"), str(tmp_path / "e"), None,
+              drafters=["mtp", "eagle", "ngram"], backends=("eager",), max_tokens=8)
     assert not any(tmp_path.iterdir())  # failed before anything was written
     shutil.copytree(root / "engine", tmp_path / "e")
     before = (tmp_path / "e" / "engine.json").read_text()
