@@ -11,7 +11,7 @@ from angelspec.drafters.dfly import DFly
 from angelspec.drafters.draft_checkpoint import DraftConfig, load_draft, save_draft
 from angelspec.drafters.modules import Frozen, Linear
 from angelspec.drafters.mtp import MTP
-from angelspec.drafters.target_layers import dfly_layers
+from angelspec.drafters.target_layers import dfly_layers, mtp_layers
 from angelspec.model import Segment
 from angelspec.plugins import QuantWeight
 from angelspec.runtime import Engine, Request, SamplingParams
@@ -28,10 +28,12 @@ def target8(tmp_path_factory):
 
 
 def draft(target, kind, vocab=0, seed=0, **kw):
-    """A randomly initialised draft (AR head weights made non-zero so it matters)."""
+    """A randomly initialised draft (AR head weights made non-zero so it matters); kind "mtp<k>":
+    an MTP draft reading k target layers."""
     n = target.config.num_layers
-    if kind == "mtp":
-        cfg = DraftConfig.for_target(target, kind, target_layers=[n], draft_vocab=vocab)
+    if kind.startswith("mtp"):
+        cfg = DraftConfig.for_target(target, "mtp", target_layers=mtp_layers(n, int(kind[3:] or 1)),
+                                     draft_vocab=vocab)
         model = MTP(cfg)
     else:
         on = kind == "dfly"
@@ -112,14 +114,15 @@ def test_ttt_loss_over_labelled_bases_equals_the_loss_over_every_position(target
     assert [metrics[f"acc{k}"] for k in (1, 2, 3, 4)] == pytest.approx(hits)
 
 
-@pytest.mark.parametrize("vocab", [0, 40])
-def test_mtp_training_equals_serving(target8, tmp_path, vocab):
-    cfg, model = draft(target8, "mtp", vocab=vocab)
+@pytest.mark.parametrize("kind,vocab", [("mtp", 0), ("mtp", 40), ("mtp3", 40)])
+def test_mtp_training_equals_serving(target8, tmp_path, kind, vocab):
+    cfg, model = draft(target8, kind, vocab=vocab)
     drafter = served(target8, tmp_path, cfg, model, k=3)
     fz = drafter.frozen
     tokens = torch.randint(0, 96, (30,), generator=torch.Generator().manual_seed(2)).tolist()
-    feats = features(target8, tokens, [8])
-    logits = rollout(drafter.model, fz, torch.tensor([tokens]), feats[8][None], steps=3)
+    feats = features(target8, tokens, cfg.target_layers)
+    h = drafter.model.features({l: f[None] for l, f in feats.items()})
+    logits = rollout(drafter.model, fz, torch.tensor([tokens]), h, steps=3)
     for n in (5, 17, 28):
         prop = drafter.propose([state_at(tokens, n, drafter, feats)])[0]
         expect = [int(fz.vocab_ids[l[0, n - 1].argmax()]) for l in logits]
@@ -208,10 +211,11 @@ def test_checkpoint_round_trip_and_mismatch(target8, tmp_path):
         make_drafter("mtp", None, target8, tmp_path)
 
 
-@pytest.mark.parametrize("kind", ["mtp", "dfly", "dflash"])
+@pytest.mark.parametrize("kind", ["mtp", "mtp3", "dfly", "dflash"])
 def test_greedy_lossless_with_trained_drafters(target8, tmp_path, kind):
     """Random drafts (mostly wrong) and the target's own greedy path must give the same tokens."""
     cfg, model = draft(target8, kind, vocab=60 if kind != "dflash" else 0)
+    kind = cfg.kind
     save_draft(tmp_path / kind, cfg, model.state_dict())
     g = torch.Generator().manual_seed(7)
     # 150 tokens: the drafts' own KV caches start at 64 positions and must grow past twice that
@@ -250,7 +254,7 @@ def test_drafts_serve_in_the_engines_quantized_scheme_losslessly(target8, tmp_pa
     assert sum(r.stats.drafted for r in out) > 0
 
 
-@pytest.mark.parametrize("kind", ["mtp", "dfly", "dflash"])
+@pytest.mark.parametrize("kind", ["mtp", "mtp3", "dfly", "dflash"])
 def test_batched_drafting_proposes_what_one_request_at_a_time_does(target8, tmp_path, kind):
     """A trained drafter drafts for the whole batch in one pass (its weights read once); each
     request gets the proposal it would get alone, twice in a row (the second time from the
@@ -307,13 +311,14 @@ def test_trained_drafters_grow_trees_around_their_chain(target8, tmp_path, kind)
 
 
 @pytest.mark.parametrize("vocab", [[78], [17, 78]])
-@pytest.mark.parametrize("kind", ["mtp", "dfly", "dflash"])
+@pytest.mark.parametrize("kind", ["mtp", "mtp3", "dfly", "dflash"])
 def test_validation_walk_counts_what_serving_counts(target8, tmp_path, kind, vocab):
     """Training's held-out accept length (accepted_at + walk over the target's own response) is
     the engine's: the same verification steps and committed tokens. A draft vocabulary of the
     tokens the target's response repeats most (78, then 17) gets drafts accepted in runs; with
     two, what the draft proposes depends on its inputs."""
     cfg, model = draft(target8, kind, vocab=len(vocab))
+    kind = cfg.kind
     model.vocab_ids.copy_(torch.tensor(vocab))
     save_draft(tmp_path / kind, cfg, model.state_dict())
     prompt = torch.randint(1, 96, (3,), generator=torch.Generator().manual_seed(7)).tolist()

@@ -81,7 +81,7 @@ def ttt_rollout(model, fz: Frozen, tokens, label_ok, feats, steps: int = 4, draf
     T = tokens.shape[1]
     labels = tokens if labels is None else labels
     base, real = label_bases(label_ok, steps)
-    all_logits = rollout(model, fz, tokens, feats[model.cfg.target_num_layers], steps, base)
+    all_logits = rollout(model, fz, tokens, model.features(feats), steps, base)
     losses, hits, oks = [], [], []
     for step, logits in enumerate(all_logits, 1):
         # label t[i+step+1] for base i; past the end of the sequence there is none
@@ -213,8 +213,7 @@ def accepted_at(model, fz: Frozen, tokens: torch.Tensor, feats: dict, start: int
     anchors = torch.arange(start, T - 1)
     batch, fb = tokens[None], {l: f[None] for l, f in feats.items()}
     if model.cfg.kind == "mtp":  # the draft at p rolls out from base p-1 (h[p-1], t[p])
-        h_last = fb[model.cfg.target_num_layers]
-        steps = rollout(model, fz, batch, h_last, draft_len, anchors[None] - 1)
+        steps = rollout(model, fz, batch, model.features(fb), draft_len, anchors[None] - 1)
         pred = torch.stack([fz.vocab_ids[l[0].argmax(-1)] for l in steps], -1)
     else:
         hidden = block_hidden(model, fz, batch, fb, anchors[None])[0, :, :draft_len]

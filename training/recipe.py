@@ -25,6 +25,7 @@ class Recipe:
     draft_vocab: int = 8192  # most frequent response tokens; 0 = the target's full vocabulary
     draft_len: int = 3  # mtp: tokens drafted per step when served
     ttt_steps: int = 4  # mtp: rollout steps
+    feature_layers: int = 1  # mtp: target layers read (1: the last; k: k - 1 more, EAGLE-3 style)
     num_layers: int = 2  # dfly/dflash: draft decoder layers
     block_size: int = 8  # dfly/dflash: B (B-1 tokens drafted per step)
     hybrid: bool = True  # dfly: per-layer mixture of target layers
@@ -62,7 +63,7 @@ class Recipe:
             (0.0 <= self.tv_fraction <= 1.0, f"tv_fraction {self.tv_fraction}: between 0 and 1"),
             (self.block_size >= 2, f"block_size {self.block_size}: at least 2"),
         ] + [(getattr(self, k) > 0, f"{k} {getattr(self, k)}: must be positive")
-             for k in ("draft_len", "ttt_steps", "num_layers", "anchors", "batch_size", "max_seq_len",
+             for k in ("draft_len", "ttt_steps", "feature_layers", "num_layers", "anchors", "batch_size", "max_seq_len",
                        "lr", "steps", "eval_every", "save_every", "max_ngram", "width")]
         bad = [msg for ok, msg in checks if not ok]
         if bad:

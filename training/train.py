@@ -111,7 +111,8 @@ def draft_config(recipe: Recipe, target) -> DraftConfig:
     kind = recipe.kind
     n = target.config.num_layers
     if kind == "mtp":
-        extra = dict(target_layers=mtp_layers(n), num_layers=1, draft_len=recipe.draft_len)
+        extra = dict(target_layers=mtp_layers(n, recipe.feature_layers), num_layers=1,
+                     draft_len=recipe.draft_len)
     else:
         b = recipe.block_size
         extra = dict(target_layers=dfly_layers(n), num_layers=recipe.num_layers, block_size=b,

@@ -13,8 +13,10 @@ def dfly_layers(num_layers: int, k: int = 5) -> list[int]:
     return sorted(set(picks))
 
 
-def mtp_layers(num_layers: int) -> list[int]:
-    return [num_layers]
+def mtp_layers(num_layers: int, k: int = 1) -> list[int]:
+    """MTP's: the last hidden state, and with k > 1 also k - 1 of dfly_layers' picks (low, middle
+    and high ones: EAGLE-3's fused features), all of them layers the data step caches."""
+    return sorted(set(dfly_layers(num_layers, k - 1)) | {num_layers}) if k > 1 else [num_layers]
 
 
 def training_layers(num_layers: int) -> list[int]:
