@@ -33,15 +33,17 @@ def dfly_draft_head(hidden: Tensor, anchor: Tensor, embed: Tensor, head_norm: Te
 
 
 def draft_head(hidden, anchor, embed, head_norm, prev_norm, gate, up, down, final_norm, lm_head,
-               vocab_ids, eps, candidates=None, width=1):
+               vocab_ids, eps, candidates=None, width=1, stop_below=0.0):
     """dfly_draft_head's computation, which a drafter calls directly: gate, up, down and (without
     candidates) lm_head may be any weight `linear` takes (bf16 tiles, a QuantWeight), as the
-    engine serves its own."""
+    engine serves its own. stop_below > 0: the chains end as soon as every block's path survival
+    (the product of its chosen tokens' probabilities) is below it, returning the links so far."""
     r, k, h = hidden.shape
     tokens = torch.empty(r, k, width, dtype=torch.long)
     conf = torch.empty(r, k, width, dtype=hidden.dtype)
     hn = F.rms_norm(hidden, (h,), head_norm, eps)
     prev = anchor.reshape(r)
+    survival = torch.ones(r, dtype=hidden.dtype)
     for i in range(k):
         pe = F.rms_norm(embed[prev], (h,), prev_norm, eps)
         x = torch.cat([hn[:, i], pe], dim=-1)
@@ -56,6 +58,9 @@ def draft_head(hidden, anchor, embed, head_norm, prev_norm, gate, up, down, fina
         p, j = torch.softmax(logits.float(), -1).topk(width, dim=-1)
         tokens[:, i], conf[:, i] = ids.gather(-1, j), p
         prev = tokens[:, i, 0]
+        survival = survival * p[:, 0]
+        if stop_below and bool((survival < stop_below).all()):
+            return tokens[:, : i + 1], conf[:, : i + 1]
     return tokens, conf
 
 

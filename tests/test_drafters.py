@@ -184,14 +184,23 @@ def test_block_training_equals_serving(target8, tmp_path, kind, vocab, rescore):
     tokens = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(6)).tolist()
     feats = features(target8, tokens, cfg.target_layers)
     batch = torch.tensor([tokens])
+    stop, shorter = drafter.stop_below, []
     for n in (4, 21, 33):
         hidden = block_hidden(drafter.model, fz, batch, {l: f[None] for l, f in feats.items()},
                               torch.tensor([[n]]))
         expect = greedy_chain(drafter.model, fz, hidden, torch.tensor([[tokens[n]]])) \
             if cfg.ar_head else fz.logits(hidden).argmax(-1)
+        drafter.stop_below = 0.0  # the whole chain
         prop = drafter.propose([state_at(tokens, n, drafter, feats)])[0]
         assert prop.tokens.tolist() == fz.vocab_ids[expect[0, 0]].tolist()
         assert len(prop.tokens) == cfg.block_size - 1
+        if cfg.ar_head:  # served: the chain up to its first token whose path survival is below stop
+            drafter.stop_below = stop
+            cut = drafter.propose([state_at(tokens, n, drafter, feats)])[0]
+            keep = int((prop.confidence.double().cumprod(0) >= stop).sum())
+            assert cut.tokens.tolist() == prop.tokens[:keep].tolist()
+            shorter.append(keep < len(prop.tokens))
+    assert any(shorter) or not cfg.ar_head
 
 
 def test_checkpoint_round_trip_and_mismatch(target8, tmp_path):
@@ -282,7 +291,8 @@ def test_batched_drafting_proposes_what_one_request_at_a_time_does(target8, tmp_
         for p, q in zip(batch, single):
             assert p.tokens.tolist() == q.tokens.tolist()
             torch.testing.assert_close(p.confidence, q.confidence, rtol=1e-4, atol=1e-6)
-        assert all(len(p.tokens) == together.draft_len for p in batch)
+        # DFly's chains stop where their survival drops (DFlyDrafter.stop_below), each its own way
+        assert all(len(p.tokens) == together.draft_len or kind == "dfly" for p in batch)
 
 
 @pytest.mark.parametrize("kind", ["mtp", "dfly", "dflash"])
@@ -293,6 +303,7 @@ def test_trained_drafters_grow_trees_around_their_chain(target8, tmp_path, kind)
     g = torch.Generator().manual_seed(12)
     seqs = [torch.randint(1, 96, (n,), generator=g).tolist() for n in (9, 30)]
     chain = served(target8, tmp_path / "c", cfg, model)
+    chain.stop_below = 0.0  # DFly: the whole chain, as a tree's first path is
     save_draft(tmp_path / "t" / kind, cfg, model.state_dict())
     tree = make_drafter(f"{kind}:branches=3", None, target8, tmp_path / "t")
     views = lambda d: [state_at(t, len(t) - 1, d, features(target8, t, sorted(set(cfg.target_layers))),  # noqa: E731

@@ -105,6 +105,10 @@ class DFly(nn.Module):
 class DFlyDrafter(TrainedDrafter):
     name = "dfly"
     model_cls = DFly
+    # a chain (branches=1) ends at its first token whose path survival (the product of the AR
+    # head's probabilities along it) is below this: D-cut would not verify it, and verified it
+    # would almost never be accepted; the AR head's links past it are not computed
+    stop_below = 0.02
 
     def __init__(self, target, path, **options):
         super().__init__(target, path, **options)
@@ -152,7 +156,11 @@ class DFlyDrafter(TrainedDrafter):
         # the chains, each link conditioned on the token before it, one op for all blocks; the
         # other first guesses' chains in a second call
         cands = candidates(fz, hidden, self.cfg.rescore_top_k)
-        t, c = self.ar_chains(hidden, anchors, cands, w)  # [R, k, w]
+        stop = self.stop_below if w == 1 else 0.0
+        t, c = self.ar_chains(hidden, anchors, cands, w, stop)  # [R, <= k, w]
+        if stop:  # each chain up to its own stop, as it would end drafted alone
+            return [p.clip(int((p.confidence.double().cumprod(0) >= stop).sum()))
+                    for p in self.proposals_from_chains((t[:, None, 1:], c[:, None, 1:]), t[:, 0], c[:, 0])]
         rest_t, rest_c = t[:, None, 1:], c[:, None, 1:]
         if w > 1:
             alt = self.ar_chains(hidden[:, 1:].repeat_interleave(w - 1, 0), t[:, 0, 1:].reshape(-1),
@@ -180,9 +188,10 @@ class DFlyDrafter(TrainedDrafter):
             x = layer.finish(x, attn.view(r, b, -1, attn.shape[-1]).transpose(1, 2))
         return x
 
-    def ar_chains(self, hidden: torch.Tensor, anchors: torch.Tensor, cands, width: int):
+    def ar_chains(self, hidden: torch.Tensor, anchors: torch.Tensor, cands, width: int, stop_below: float = 0.0):
         """The AR head's chains over hidden [R, n, h] from anchors [R]: tokens, confidence
-        [R, n, width] (the best `width` guesses per link; the first goes on)."""
+        [R, <= n, width] (the best `width` guesses per link; the first goes on; draft_head's
+        stop_below)."""
         model, fz, ar = self.model, self.frozen, self.model.ar
         # every link's products read the weights in the engine's precision and kernels (bf16
         # tiles, a quantized scheme); re-scoring gathers float32 rows of the head
@@ -190,7 +199,7 @@ class DFlyDrafter(TrainedDrafter):
         return draft_head(
             hidden.contiguous(), anchors, fz.embed, model.head_norm.weight, model.prev_norm.weight,
             ar.gate.serving_weight, ar.up.serving_weight, ar.down.serving_weight, fz.norm_w, head,
-            fz.vocab_ids, fz.eps, cands, width)
+            fz.vocab_ids, fz.eps, cands, width, stop_below)
 
 
 class DFlashDrafter(DFlyDrafter):
