@@ -53,6 +53,11 @@ def _(x, cos, sin, positions, heads):
     return None
 
 
+@torch.library.register_fake("angelspec::row_argmax")
+def _(x):
+    return x.new_empty(x.shape[0], dtype=torch.long)
+
+
 @torch.library.register_fake("angelspec::silu_mul")
 def _(gate_up):
     return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)

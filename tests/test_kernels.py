@@ -72,6 +72,25 @@ def test_kernels_on_avx2_and_native_paths_are_correct_and_row_exact():
     check_on_each_isa(CHECK)
 
 
+def test_row_argmax_is_torchs_first_maximum():
+    """Verification's greedy token of a row: the first maximum (the first NaN where there is
+    one), exactly torch's max(-1).indices, rows alone or together."""
+    g = torch.Generator().manual_seed(3)
+    for v in (1, 5, 8, 9, 23, 49152):
+        x = torch.randn(13, v, generator=g)
+        x[1] = 0.5  # every value ties
+        x[2, v // 2:] = x[2].max()  # ties after the first maximum
+        x[3, -1] = float("inf")
+        x[4] = float("-inf")
+        x[5, v // 3] = float("nan")
+        x[6, (2 * v) // 3:] = float("nan")
+        x[7, 0] = -0.0
+        got = torch.ops.angelspec.row_argmax(x)
+        assert torch.equal(got, x.max(-1).indices), v
+        assert all(int(torch.ops.angelspec.row_argmax(x[i:i + 1])) == int(got[i]) for i in range(13))
+    assert torch.equal(torch.ops.angelspec.row_argmax(x[::2]), x[::2].max(-1).indices)  # not contiguous
+
+
 def test_cached_attention_matches_reference_and_masks_by_position():
     g = torch.Generator().manual_seed(1)
     S, Hkv, M, D, H = 2, 2, 32, 16, 6
