@@ -51,21 +51,27 @@ def speculative_step(engine, active: list[RequestState]) -> Committed:
                             [None if s.params.greedy else uniforms(s, seg.depths())
                              for s, seg in zip(active, segments)])
     # 4. commit the accepted path + the bonus token (its KV entries moved into place, for a
-    # tree); drafters see the target's hidden states of the path
+    # tree); drafters see the target's hidden states of the path, gathered once for the batch
+    rows, row = [], 0
+    for p, (_, _, path) in zip(props, verdicts):
+        rows.append([row] + [row + 1 + i for i in path])
+        row += len(p.tokens) + 1
+    if hidden:
+        flat = torch.tensor([r for rs in rows for r in rs])
+        hidden = {l: h[flat] for l, h in hidden.items()}
     out, row = [], 0
-    for s, name, p, (accepted, new, path) in zip(active, names, props, verdicts):
+    for s, name, p, (accepted, new, path), mine in zip(active, names, props, verdicts, rows):
         if engine.dcut:
             engine.calibration.observe(name, p, path)
         if path != list(range(accepted)):
             engine.cache.move(s.slot, [s.cache_len + 1 + i for i in path],
                               [s.cache_len + 1 + d for d in range(accepted)])
-        rows = torch.tensor([row] + [row + 1 + i for i in path])
         committed = engine.commit(s, new)
         s.stats.add(len(p.tokens), accepted, len(committed))
-        engine.feed_drafters(s, hidden, rows)
+        engine.feed_drafters(s, hidden, slice(row, row + len(mine)))
         hooks.committed(s, accepted, len(p.tokens))
         out.append((s, committed))
-        row += len(p.tokens) + 1
+        row += len(mine)
     hooks.finished(names, props, verdicts, drafting, time.perf_counter() - t_start, t_draft, t_fwd,
                    sum(len(c) for _, c in out), len(tokens))
     return out + failed
