@@ -6,9 +6,9 @@ as it would alone, so a k-token verification forward gives bit-identical logits 
 forwards. Longer inputs (prompt prefill) are compute-bound and go to the BLAS routine.
 
 Weights packed by `pack_bf16` (bf16, any row count) use `angelspec::amx_linear` on the AMX tile
-unit, row-exact too. On CPUs without the tiles, bf16 weights stay in plain row order
-(`Bf16Weight`) and `skinny_linear` widens each one to float32 as it loads it: the float32
-kernel's result on those weight values, bit for bit, at half the bytes read.
+unit, row-exact too. On CPUs without the tiles, bf16 weights stay in rows (`Bf16Weight`, in
+chunks laid out for a shuffle-free load) and `skinny_linear` widens each one to float32 as it
+loads it: the float32 kernel's result on those weight values, bit for bit, at half the bytes read.
 
 Weight-only quantized weights (`quantize`: int8 or int4 in groups of 32) use
 `angelspec::quant_linear` up to SKINNY_MAX_ROWS rows: it expands each block of weight rows to
@@ -51,13 +51,26 @@ def pack_bf16(w: torch.Tensor) -> torch.Tensor:
     return torch.ops.angelspec.amx_pack(w.float().contiguous())
 
 
+CHUNK = 32  # inputs per chunk of a Bf16Weight row
+
+
 @dataclass(frozen=True)
 class Bf16Weight:
-    """bf16 weights [out, in] in plain row order, as CPUs without AMX tiles serve them: the float32
-    kernels multiply them (each weight widened exactly), so they compute the float32 model on
-    these weight values, with activations in float32 (AMX tiles round those to bf16: the two
-    kinds of machine give slightly different outputs for the same engine)."""
-    w: torch.Tensor  # bfloat16 [out, in]
+    """bf16 weights [out, in] as CPUs without AMX tiles serve them: the float32 kernels multiply
+    them (each weight widened exactly), so they compute the float32 model on these weight values,
+    with activations in float32 (AMX tiles round those to bf16: the two kinds of machine give
+    slightly different outputs for the same engine). Each row lies in chunks of CHUNK inputs, each
+    chunk as pairs (input j, input 16 + j), so that one 64-byte load widens to float32 in input
+    order without a shuffle (csrc/skinny_tile.h); the last in % CHUNK inputs in order."""
+    w: torch.Tensor  # bfloat16 [out, in], chunked rows: build with Bf16Weight.of
+
+    @staticmethod
+    def of(w: torch.Tensor) -> "Bf16Weight":
+        """From [out, in] weights in input order (float32 ones rounded to nearest even)."""
+        w = w.bfloat16()
+        out, body = w.shape[0], w.shape[1] - w.shape[1] % CHUNK
+        chunks = w[:, :body].reshape(out, -1, 2, CHUNK // 2).transpose(2, 3).reshape(out, body)
+        return Bf16Weight(torch.cat([chunks, w[:, body:]], 1).contiguous())
 
     @property
     def shape(self) -> torch.Size:
@@ -68,8 +81,10 @@ class Bf16Weight:
         return self.w.nbytes
 
     def dequantized(self) -> torch.Tensor:
-        """The float32 weights this serves."""
-        return self.w.float()
+        """The float32 weights this serves, in input order."""
+        out, body = self.w.shape[0], self.w.shape[1] - self.w.shape[1] % CHUNK
+        rows = self.w[:, :body].reshape(out, -1, CHUNK // 2, 2).transpose(2, 3).reshape(out, body)
+        return torch.cat([rows, self.w[:, body:]], 1).float()
 
 
 GROUP = 32  # input weights per scale (and offset): llama.cpp's Q8_0 / Q4_1 blocks
@@ -203,7 +218,7 @@ def served(w: torch.Tensor, weights: str, logits: bool = False):
     a shape the format does not take)."""
     if weights == "bfloat16":
         if not amx_available():
-            return Bf16Weight(w.bfloat16().contiguous()) if w.dim() == 2 else w
+            return Bf16Weight.of(w) if w.dim() == 2 else w
         return pack_bf16(w) if can_pack(w) else w
     if weights in SCHEMES:
         if logits:

@@ -8,7 +8,7 @@ import angelspec.plugins as ops
 CHECK = r"""
 import torch, angelspec.plugins as ops
 g = torch.Generator().manual_seed(0)
-for out_f, in_f in [(3072, 576), (577, 100), (7, 13), (50, 1536)]:
+for out_f, in_f in [(3072, 576), (577, 100), (7, 13), (50, 1536), (25, 120)]:
     w = torch.randn(out_f, in_f, generator=g)
     x = torch.randn(11, in_f, generator=g)
     y = ops.linear(x, w)
@@ -17,8 +17,9 @@ for out_f, in_f in [(3072, 576), (577, 100), (7, 13), (50, 1536)]:
     for n in (1, 2, 3, 5, 7, 8):
         assert torch.equal(ops.linear(x[:n], w), y[:n]), (out_f, in_f, n)
     assert torch.equal(ops.linear(x[4:5], w), y[4:5])
-    # bf16 weights in row order (CPUs without AMX tiles): the float32 kernel on their values
-    wb = ops.Bf16Weight(w.bfloat16())
+    # bf16 weights in chunked rows (CPUs without AMX tiles): the float32 kernel on their values
+    wb = ops.Bf16Weight.of(w)
+    assert torch.equal(wb.dequantized(), w.bfloat16().float())
     yb = ops.linear(x, wb)
     assert torch.equal(yb, ops.linear(x, w.bfloat16().float())), (out_f, in_f)
     for n in (1, 2, 3, 5):

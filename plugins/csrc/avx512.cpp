@@ -17,6 +17,11 @@ struct V512 {
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
+  static void load32(const uint16_t* p, reg* out) {  // a bf16 chunk (skinny_tile.h) in input order
+    const __m512i w = _mm512_loadu_si512(p);
+    out[0] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+    out[1] = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+  }
   static void store(float* p, reg v) { _mm512_storeu_ps(p, v); }
   static reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
   static reg fma(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
@@ -28,20 +33,26 @@ struct V512 {
 #include "skinny_tile.h"
 #include "quant_tile.h"
 
-// 4 x-rows by 6 weight rows: 24 accumulators + 6 weight + 1 x = 31 of the 32 zmm registers.
-constexpr int kCols512 = 6;
+// 4 x-rows by 6 weight rows: 24 accumulators + 6 weight + 1 x = 31 of the 32 zmm registers. One
+// row (a decoding step) takes 12 weight rows at a time: more streams in flight from memory
+// (1.05-1.2x on out-of-cache 576-wide matrices, float32 and bf16, on an AVX-512 EPYC).
+constexpr int kCols512 = 6, kRowCols512 = 12;
 
 void skinny_blocks_avx512(const float* x, const float* w, float* y, int64_t n, int64_t in,
                           int64_t out, int64_t b0, int64_t b1) {
+  if (n == 1) return blocks<V512, 1, kRowCols512>(x, w, y, n, in, out, b0, b1);
   blocks<V512, 4, kCols512>(x, w, y, n, in, out, b0, b1);
 }
 
 void skinny_blocks_bf16_avx512(const float* x, const uint16_t* w, float* y, int64_t n, int64_t in,
                                int64_t out, int64_t b0, int64_t b1) {
-  blocks<V512, 4, kCols512>(x, w, y, n, in, out, b0, b1);
+  const auto* wc = reinterpret_cast<const Bf16Chunk*>(w);
+  if (n == 1) return blocks<V512, 1, kRowCols512>(x, wc, y, n, in, out, b0, b1);
+  blocks<V512, 4, kCols512>(x, wc, y, n, in, out, b0, b1);
 }
 
-int64_t skinny_block_cols_avx512() { return kCols512; }
+int64_t skinny_block_cols_avx512(int64_t n) { return n == 1 ? kRowCols512 : kCols512; }
+int64_t quant_block_cols_avx512() { return kCols512; }
 
 void quant_blocks_avx512(const float* x, const uint8_t* q, const float* scale,
                          const float* offset, float* y, int64_t n, int64_t in, int64_t out,

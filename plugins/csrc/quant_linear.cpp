@@ -12,7 +12,7 @@
 void quant_blocks_avx512(const float* x, const uint8_t* q, const float* scale,
                          const float* offset, float* y, int64_t n, int64_t in, int64_t out,
                          int64_t group, int bits, int64_t b0, int64_t b1, float* buf);
-int64_t skinny_block_cols_avx512();
+int64_t quant_block_cols_avx512();
 
 namespace {
 constexpr int kCols256 = 3;  // as skinny_linear.cpp
@@ -58,7 +58,7 @@ torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& q, const
   const float* sp = sc.data_ptr<float>();
   const float* op = offset ? oc.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  const int64_t cols = use_avx512() ? skinny_block_cols_avx512() : kCols256;
+  const int64_t cols = use_avx512() ? quant_block_cols_avx512() : kCols256;
   auto* fn = use_avx512() ? &quant_blocks_avx512 : &quant_blocks_avx2;
   at::parallel_for(0, (out + cols - 1) / cols, 16, [&](int64_t b0, int64_t b1) {
     std::vector<float> buf(cols * in);

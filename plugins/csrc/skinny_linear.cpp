@@ -1,6 +1,6 @@
 // y = x @ w.T for few rows (decode and verification forwards): the torch op and its AVX2 kernel.
-// w is float32, or bf16 in plain row order (CPUs without AMX tiles serve bf16 weights so: half
-// the bytes, and bit for bit the float32 kernel's result on the same weight values).
+// w is float32, or bf16 in chunked rows (skinny_tile.h; CPUs without AMX tiles serve bf16 weights
+// so: half the bytes, and bit for bit the float32 kernel's result on the same weight values).
 //
 // Why our own kernel: on these CPUs the BLAS routine picked for 2-16 rows costs ~2x the 1-row one,
 // although the weights (the real cost) are read once either way. Here every weight block is
@@ -15,7 +15,7 @@ void skinny_blocks_avx512(const float* x, const float* w, float* y, int64_t n, i
                           int64_t out, int64_t b0, int64_t b1);
 void skinny_blocks_bf16_avx512(const float* x, const uint16_t* w, float* y, int64_t n, int64_t in,
                                int64_t out, int64_t b0, int64_t b1);
-int64_t skinny_block_cols_avx512();
+int64_t skinny_block_cols_avx512(int64_t n);
 
 namespace {
 // 4 x-rows by 3 weight rows: 12 accumulators + 3 weight + 1 x = all 16 ymm registers (among
@@ -29,14 +29,14 @@ void skinny_blocks_avx2(const float* x, const float* w, float* y, int64_t n, int
 
 void skinny_blocks_bf16_avx2(const float* x, const uint16_t* w, float* y, int64_t n, int64_t in,
                              int64_t out, int64_t b0, int64_t b1) {
-  blocks<V256, 4, kCols256>(x, w, y, n, in, out, b0, b1);
+  blocks<V256, 4, kCols256>(x, reinterpret_cast<const Bf16Chunk*>(w), y, n, in, out, b0, b1);
 }
 
 template <class W>
 void run(const float* x, const W* w, float* y, int64_t n, int64_t in, int64_t out,
          void (*avx2)(const float*, const W*, float*, int64_t, int64_t, int64_t, int64_t, int64_t),
          void (*avx512)(const float*, const W*, float*, int64_t, int64_t, int64_t, int64_t, int64_t)) {
-  const int64_t cols = use_avx512() ? skinny_block_cols_avx512() : kCols256;
+  const int64_t cols = use_avx512() ? skinny_block_cols_avx512(n) : kCols256;
   auto* fn = use_avx512() ? avx512 : avx2;
   at::parallel_for(0, (out + cols - 1) / cols, 16, [&](int64_t b0, int64_t b1) {
     fn(x, w, y, n, in, out, b0, b1);

@@ -17,6 +17,15 @@ struct V256 {
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   }
+  static void load32(const uint16_t* p, reg* out) {  // a bf16 chunk (skinny_tile.h) in input order
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+    const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+    out[0] = _mm256_castsi256_ps(_mm256_slli_epi32(a, 16));
+    out[1] = _mm256_castsi256_ps(_mm256_slli_epi32(b, 16));
+    out[2] = _mm256_castsi256_ps(_mm256_and_si256(a, high));
+    out[3] = _mm256_castsi256_ps(_mm256_and_si256(b, high));
+  }
   static void store(float* p, reg v) { _mm256_storeu_ps(p, v); }
   static reg mul(reg a, reg b) { return _mm256_mul_ps(a, b); }
   static reg fma(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
