@@ -160,6 +160,27 @@ def test_a_slow_drafter_sits_out_under_dcut_and_output_stays_lossless(tiny):
     assert eng.gate.skipped > 0
 
 
+def test_the_gate_prices_a_drafter_by_its_handling_too_and_output_stays_lossless(tiny):
+    """Drafting cost is more than the proposals: D-cut's cut, calibrating on the verdicts and
+    feeding the drafter are timed into its drafting seconds, so a drafter that is quick to
+    propose but whose drafts are slow to handle sits out once it does not pay."""
+    class SlowToHandle(Calibration):
+        def observe(self, name, proposal, path):
+            time.sleep(0.01)
+            return super().observe(name, proposal, path)
+
+    ps = prompts(4)
+    ref = autoregressive(tiny, ps, 40)
+    oracle = NoisyOracle({tuple(p): r for p, r in zip(ps, ref)}, 4, p_wrong=0.5)
+    eng = Engine(tiny, max_batch=4, max_len=256, drafters={"oracle": oracle}, dcut=True,
+                 cost=table(0.0001))
+    eng.calibration.__class__ = SlowToHandle
+    out = eng.generate([Request(p, SamplingParams(max_tokens=40), "oracle") for p in ps])
+    assert [r.tokens for r in out] == ref
+    assert eng.gate.est["oracle"][0] >= 0.01  # seconds a request: its handling counted
+    assert eng.gate.skipped > 0
+
+
 def test_ngram_confidence_is_its_acceptance_rate_at_each_depth_and_match_length():
     """Token k's confidence is the request's rate of accepting depth k once depths 1..k-1 were
     accepted, scored against the tokens committed after each draft, for drafts from an n-gram

@@ -4,7 +4,9 @@ D-cut trims drafts after they are made, so their drafting time is already spent.
 trained drafter (a forward of its own every step) can cost more than every token it brings.
 Before each step the gate asks, for each drafter in the batch, whether drafting for its n
 requests raises the step's expected tokens per second. It answers from running estimates of one
-request's drafting seconds t, its draft tokens that survive D-cut k, and its accepted tokens a:
+request's drafting seconds t (its proposals, and its share of the step's work on drafts besides
+the forward: D-cut's cut, calibration, feeding the drafter; step.bookkeeping), its draft tokens
+that survive D-cut k, and its accepted tokens a:
 
     tokens = B + sum(n * a),  seconds = T_fixed + sum(n * t) + C(B + sum(n * k))
 
@@ -21,8 +23,10 @@ of what it brings instead, a run of failed copies would bench it while its match
 its probes are single requests whose accepted length is mostly 0 or a whole copy, so the
 estimate recovers slowly while the backoff doubles. But when D-cut keeps none of its tokens
 (many requests in flight on a CPU, where a verified token costs nearly what it can bring), its
-drafting and the step's handling of drafts are all it adds (~3% of the step with 16 requests in
-flight on a 2-core CPU), so it sits out like any other drafter, and its probes ask D-cut again.
+drafting and the step's handling of drafts are all it adds, so it sits out like any other
+drafter, and its probes ask D-cut again. Nor is it cheap when that handling, counted in t, costs
+more than CHEAP of the step (16 requests in flight on a 2-core CPU: ~7%); it is then judged by
+what it brings.
 """
 from __future__ import annotations
 

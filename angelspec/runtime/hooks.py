@@ -68,19 +68,20 @@ class StepHooks:
             s.drafter = self.engine.router.observe(s.route, s.drafter, accepted, drafted, s.tokens,
                                                    self.curve)
 
-    def finished(self, names, props, verdicts, drafting: dict, total: float, t_draft: float,
-                 t_fwd: float, committed: int, n_tokens: int) -> None:
-        """The step's end: the gate learns what each drafter cost and brought; T_fixed and the
-        router's step costs move."""
+    def finished(self, names, props, verdicts, drafting: dict, book: dict, total: float,
+                 t_draft: float, t_fwd: float, committed: int, n_tokens: int) -> None:
+        """The step's end: the gate learns what each drafter cost (its proposals, `drafting`, and
+        the step's handling of its drafts, `book`: step.bookkeeping) and brought; T_fixed (the
+        rest of the step outside the forward) and the router's step costs move."""
         if self.gate is not None:
             for name, seconds in drafting.items():
                 mine = [(len(p.tokens), v[0]) for n, p, v in zip(names, props, verdicts) if n == name]
-                self.gate.observe(name, len(mine), seconds, sum(k for k, _ in mine),
-                                  sum(a for _, a in mine))
+                self.gate.observe(name, len(mine), seconds + book.get(name, 0.0),
+                                  sum(k for k, _ in mine), sum(a for _, a in mine))
         stats = self.engine.stats
         stats.draft_time += t_draft
         stats.forward_time += t_fwd
-        spent = total - t_draft - t_fwd
+        spent = total - t_draft - sum(book.values()) - t_fwd
         first = stats.steps == 1
         self.t_fixed_ema = spent if first else 0.9 * self.t_fixed_ema + 0.1 * spent
         if self.engine.router is not None:

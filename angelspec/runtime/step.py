@@ -36,7 +36,9 @@ def speculative_step(engine, active: list[RequestState]) -> Committed:
     t_draft = time.perf_counter() - t_start
     # 2. D-cut: the batch's likeliest draft tokens (by calibrated survival), against the
     # verification cost
+    t0 = time.perf_counter()
     props = cut(engine, props, names, t_draft, hooks.t_fixed(len(active)))
+    book = bookkeeping(names, time.perf_counter() - t0)
     # 3. verify: one forward over every request's [anchor + kept drafts] (chains or trees), packed
     tokens = torch.cat([t for s, p in zip(active, props) for t in (torch.tensor([s.tokens[-1]]), p.tokens)])
     segments = [Segment(s.slot, s.cache_len, 1 + len(p.tokens),
@@ -61,20 +63,35 @@ def speculative_step(engine, active: list[RequestState]) -> Committed:
         hidden = {l: h[flat] for l, h in hidden.items()}
     out, row = [], 0
     for s, name, p, (accepted, new, path), mine in zip(active, names, props, verdicts, rows):
+        t0 = time.perf_counter()
         if engine.dcut:
             engine.calibration.observe(name, p, path)
+        t_book = time.perf_counter() - t0
         if path != list(range(accepted)):
             engine.cache.move(s.slot, [s.cache_len + 1 + i for i in path],
                               [s.cache_len + 1 + d for d in range(accepted)])
         committed = engine.commit(s, new)
         s.stats.add(len(p.tokens), accepted, len(committed))
+        t0 = time.perf_counter()
         engine.feed_drafters(s, hidden, slice(row, row + len(mine)))
+        if name in book:
+            book[name] += t_book + time.perf_counter() - t0
         hooks.committed(s, accepted, len(p.tokens))
         out.append((s, committed))
         row += len(mine)
-    hooks.finished(names, props, verdicts, drafting, time.perf_counter() - t_start, t_draft, t_fwd,
-                   sum(len(c) for _, c in out), len(tokens))
+    hooks.finished(names, props, verdicts, drafting, book, time.perf_counter() - t_start, t_draft,
+                   t_fwd, sum(len(c) for _, c in out), len(tokens))
     return out + failed
+
+
+def bookkeeping(names: list[str], t_cut: float) -> dict[str, float]:
+    """Each drafter's share of what its drafts cost the step besides proposing them: D-cut's
+    cut (calibration included; split by requests), then (added while committing) calibrating
+    on the verdicts and feeding the drafter the committed tokens. The gate prices a drafter by
+    its proposals plus this (for `ngram` at 16 in flight about as much again as its proposals),
+    so a drafter whose tokens barely pay sits out."""
+    drafting = [n for n in names if n != "none"]
+    return {n: t_cut * drafting.count(n) / len(drafting) for n in set(drafting)}
 
 
 def uniforms(s: RequestState, depths: torch.Tensor) -> torch.Tensor:
