@@ -25,8 +25,8 @@ estimate recovers slowly while the backoff doubles. But when D-cut keeps none of
 (many requests in flight on a CPU, where a verified token costs nearly what it can bring), its
 drafting and the step's handling of drafts are all it adds, so it sits out like any other
 drafter, and its probes ask D-cut again. Nor is it cheap when that handling, counted in t, costs
-more than CHEAP of the step (16 requests in flight on a 2-core CPU: ~7%); it is then judged by
-what it brings.
+more than CHEAP of the step (as with 16 requests in flight on a 2-core CPU); it is then judged
+by what it brings.
 """
 from __future__ import annotations
 

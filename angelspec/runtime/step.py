@@ -88,8 +88,7 @@ def bookkeeping(names: list[str], t_cut: float) -> dict[str, float]:
     """Each drafter's share of what its drafts cost the step besides proposing them: D-cut's
     cut (calibration included; split by requests), then (added while committing) calibrating
     on the verdicts and feeding the drafter the committed tokens. The gate prices a drafter by
-    its proposals plus this (for `ngram` at 16 in flight about as much again as its proposals),
-    so a drafter whose tokens barely pay sits out."""
+    its proposals plus this, so a drafter whose tokens barely pay sits out."""
     drafting = [n for n in names if n != "none"]
     return {n: t_cut * drafting.count(n) / len(drafting) for n in set(drafting)}
 
