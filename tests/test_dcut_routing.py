@@ -174,7 +174,7 @@ def test_the_gate_prices_a_drafter_by_its_handling_too_and_output_stays_lossless
     oracle = NoisyOracle({tuple(p): r for p, r in zip(ps, ref)}, 4, p_wrong=0.5)
     eng = Engine(tiny, max_batch=4, max_len=256, drafters={"oracle": oracle}, dcut=True,
                  cost=table(0.0001))
-    eng.calibration.__class__ = SlowToHandle
+    eng.calibration = SlowToHandle()
     out = eng.generate([Request(p, SamplingParams(max_tokens=40), "oracle") for p in ps])
     assert [r.tokens for r in out] == ref
     assert eng.gate.est["oracle"][0] >= 0.01  # seconds a request: its handling counted

@@ -6,6 +6,7 @@ with empty drafts."""
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 import torch
 
@@ -89,8 +90,9 @@ def bookkeeping(names: list[str], t_cut: float) -> dict[str, float]:
     cut (calibration included; split by requests), then (added while committing) calibrating
     on the verdicts and feeding the drafter the committed tokens. The gate prices a drafter by
     its proposals plus this, so a drafter whose tokens barely pay sits out."""
-    drafting = [n for n in names if n != "none"]
-    return {n: t_cut * drafting.count(n) / len(drafting) for n in set(drafting)}
+    drafting = Counter(n for n in names if n != "none")
+    total = sum(drafting.values())
+    return {n: t_cut * k / total for n, k in drafting.items()}
 
 
 def uniforms(s: RequestState, depths: torch.Tensor) -> torch.Tensor:

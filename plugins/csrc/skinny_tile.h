@@ -23,7 +23,16 @@ namespace {
 struct Bf16Chunk {  // one stored bf16 weight of a chunked row (above)
   uint16_t bits;
 };
-inline float widen(Bf16Chunk w) { return widen(w.bits); }
+
+// One cache line of each of C rows at input i: into L1 from `prefetch` (the next block), into L2
+// from `far` (kFar blocks ahead).
+template <int C, class W>
+inline void fetch_rows(const W* prefetch, const W* far, int64_t ldw, int64_t i) {
+  for (int c = 0; c < C; ++c) {
+    _mm_prefetch(reinterpret_cast<const char*>(prefetch + c * ldw + i), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(far + c * ldw + i), _MM_HINT_T1);
+  }
+}
 
 // Lane-wide steps over the inputs [from, in - in % V::lanes) of weights stored in order, then
 // each accumulator's horizontal sum and the scalar tail, into y. prefetch / far (or null): the
@@ -33,11 +42,7 @@ inline void steps(typename V::reg (&acc)[R][C], const float* x, int64_t ldx, con
                   int64_t from, int64_t in, float* y, int64_t ldy, const W* prefetch, const W* far) {
   const int64_t body = in - in % V::lanes;
   for (int64_t i = from; i < body; i += V::lanes) {
-    if (prefetch && (i * sizeof(W)) % 64 == 0)
-      for (int c = 0; c < C; ++c) {
-        _mm_prefetch(reinterpret_cast<const char*>(prefetch + c * ldw + i), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(far + c * ldw + i), _MM_HINT_T1);
-      }
+    if (prefetch && (i * sizeof(W)) % 64 == 0) fetch_rows<C>(prefetch, far, ldw, i);
     typename V::reg wv[C];
     for (int c = 0; c < C; ++c) wv[c] = V::load(w + c * ldw + i);
     for (int r = 0; r < R; ++r) {
@@ -75,11 +80,7 @@ inline void tile(const float* x, int64_t ldx, const Bf16Chunk* wc, int64_t ldw, 
     for (int c = 0; c < C; ++c) acc[r][c] = V::zero();
   const int64_t chunks = in - in % 32;
   for (int64_t i = 0; i < chunks; i += 32) {
-    if (prefetch)  // a chunk is one cache line of each row
-      for (int c = 0; c < C; ++c) {
-        _mm_prefetch(reinterpret_cast<const char*>(prefetch + c * ldw + i), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(far + c * ldw + i), _MM_HINT_T1);
-      }
+    if (prefetch) fetch_rows<C>(prefetch, far, ldw, i);  // a chunk is one cache line of each row
     for (int c = 0; c < C; ++c) {
       typename V::reg wv[S];
       V::load32(w + c * ldw + i, wv);
