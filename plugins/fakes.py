@@ -53,6 +53,16 @@ def _(x, cos, sin, positions, heads):
     return None
 
 
+@torch.library.register_fake("angelspec::accept_paths")
+def _(own, draft, lengths, parents):
+    return tuple(lengths.new_empty(lengths.shape, dtype=torch.long) for _ in range(3))
+
+
+@torch.library.register_fake("angelspec::verify_greedy")
+def _(logits, draft, lengths, parents):
+    return tuple(lengths.new_empty(lengths.shape, dtype=torch.long) for _ in range(3))
+
+
 @torch.library.register_fake("angelspec::row_argmax")
 def _(x):
     return x.new_empty(x.shape[0], dtype=torch.long)

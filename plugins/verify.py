@@ -18,48 +18,14 @@ from angelspec.plugins.build import load_kernels
 load_kernels()
 
 
-def _accept(own: Tensor, draft: Tensor, lengths: Tensor, parents: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """own [N]: the target's own token at every row. A draft token is accepted when its parent is
-    (the anchor always is) and it equals the target's own token at its parent's row; each request
-    keeps its deepest accepted token's path (the first of equal depth) and ends with the target's
-    own token after it."""
-    own, draft, parents = own.tolist(), draft.tolist(), parents.tolist()
-    accepted, last, leaf = [], [], []
-    row, tok = 0, 0
-    for k in lengths.tolist():
-        depth = [0] * k  # 0: not accepted, else the token's depth
-        best, best_depth = -1, 0
-        for i in range(k):
-            p = parents[tok + i]
-            up = 0 if p < 0 else depth[p]
-            if (p < 0 or up) and draft[tok + i] == own[row + 1 + p]:
-                depth[i] = up + 1
-                if depth[i] > best_depth:
-                    best, best_depth = i, depth[i]
-        accepted.append(best_depth)
-        last.append(own[row + 1 + best])
-        leaf.append(best)
-        row, tok = row + k + 1, tok + k
-    as_long = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
-    return as_long(accepted), as_long(last), as_long(leaf)
-
-
-def _fake_result(lengths):
-    return tuple(lengths.new_empty(lengths.shape, dtype=torch.long) for _ in range(3))
-
-
-@torch.library.custom_op("angelspec::verify_greedy", mutates_args=())
-def verify_greedy(logits: Tensor, draft: Tensor, lengths: Tensor,
-                  parents: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """logits [N, V] (N = sum(lengths + 1)), draft and parents [sum(lengths)], lengths [B]: keep
-    draft tokens while each is the target's argmax at its parent's position."""
-    # each row's first maximum, as torch's max(-1).indices (row_argmax: vectorised, rows in parallel)
-    return _accept(torch.ops.angelspec.row_argmax(logits), draft, lengths, parents)
-
-
-@verify_greedy.register_fake
-def _(logits, draft, lengths, parents):
-    return _fake_result(lengths)
+# Greedy verification and the walk both ops end with are C++ (csrc/verify.cpp: one call a step);
+# their fakes are in fakes.py. verify_greedy(logits [N, V], draft, lengths, parents): a draft
+# token is accepted when its parent is (the anchor always is) and it equals the target's argmax
+# (the first maximum, as torch's max(-1).indices) at its parent's row; each request keeps its
+# deepest accepted token's path (the first of equal depth) and ends with the target's own token
+# after it. accept_paths(own [N], draft, lengths, parents): the same walk over any own tokens.
+verify_greedy = torch.ops.angelspec.verify_greedy
+accept_paths = torch.ops.angelspec.accept_paths
 
 
 def sample_inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
@@ -86,9 +52,9 @@ def verify_rejection(probs: Tensor, draft: Tensor, lengths: Tensor, parents: Ten
     uniforms, whatever was drafted: keyed by position, a seed repeats its output under any drafter,
     draft length, tree shape or batch.
     """
-    return _accept(sample_inverse_cdf(probs, uniforms), draft, lengths, parents)
+    return accept_paths(sample_inverse_cdf(probs, uniforms), draft, lengths, parents)
 
 
 @verify_rejection.register_fake
 def _(probs, draft, lengths, parents, uniforms):
-    return _fake_result(lengths)
+    return tuple(lengths.new_empty(lengths.shape, dtype=torch.long) for _ in range(3))

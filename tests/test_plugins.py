@@ -68,6 +68,14 @@ def test_verify_greedy_matches_per_request_rule():
             row, tok = row + k + 1, tok + k
 
 
+def test_verification_names_a_draft_that_does_not_fit_its_rows_or_its_parents():
+    logits, draft, lens = ragged([3, 2])
+    with pytest.raises(RuntimeError, match="2 requests with 5 draft tokens need 7 rows"):
+        verify_greedy(logits[:-1], draft, lens, chains([3, 2]))
+    with pytest.raises(RuntimeError, match="token 1 of request 1 has parent 1"):
+        verify_greedy(logits, draft, lens, torch.tensor([-1, 0, 1, -1, 1]))
+
+
 def test_verify_rejection_batched_equals_one_by_one():
     logits, draft, lens = ragged([2, 4, 0, 3])
     probs = torch.softmax(logits / 0.7, -1)

@@ -8,6 +8,8 @@ own, and `path` lists the accepted draft tokens' indices in the proposal (a chai
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from angelspec.drafters import Proposal
@@ -17,6 +19,8 @@ from angelspec.sampling import probs_from_logits
 
 
 def _result(prop: Proposal, accepted: int, last: int, leaf: int) -> tuple[int, list[int], list[int]]:
+    if prop.parents is None:  # a chain: its first `accepted` tokens
+        return accepted, prop.tokens[:accepted].tolist() + [last], list(range(accepted))
     path = prop.path(leaf)
     return accepted, prop.tokens[path].tolist() + [last], path
 
@@ -26,9 +30,10 @@ def verify_batch(logits: torch.Tensor, props: list[Proposal], params: list,
     """logits [sum(k_i + 1), vocab] packed request by request (anchor row, then one per draft
     token); props: each request's proposal (k_i tokens, a chain or a tree); params: each
     request's SamplingParams; uniforms: for a sampling request the [k_i + 1] uniforms of its rows'
-    positions (sampling.position_uniforms), else None."""
-    lengths = torch.tensor([len(p.tokens) for p in props], dtype=torch.long)
-    starts = (lengths + 1).cumsum(0) - (lengths + 1)
+    positions (sampling.position_uniforms), else None. Greedy requests (most often all of them)
+    take one op call; the step pays this for every request at every step."""
+    lengths = [len(p.tokens) for p in props]
+    starts = [0, *itertools.accumulate(k + 1 for k in lengths)]
     out: list = [None] * len(props)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     sampled = [i for i, p in enumerate(params) if not p.greedy]
@@ -36,20 +41,22 @@ def verify_batch(logits: torch.Tensor, props: list[Proposal], params: list,
         if not group:
             continue
         part = logits if len(group) == len(props) else logits[torch.cat(
-            [torch.arange(int(starts[i]), int(starts[i] + lengths[i]) + 1) for i in group])]
-        draft = torch.cat([props[i].tokens for i in group]).long()
-        parents = torch.cat([props[i].parent_index() for i in group]).long()
+            [torch.arange(starts[i], starts[i + 1]) for i in group])]
+        draft = torch.cat([props[i].tokens for i in group])
+        parents = torch.cat([props[i].parent_index() for i in group])
+        lens = torch.tensor([lengths[i] for i in group])
         if group is greedy:
-            accepted, last, leaf = _greedy_op(part, draft, lengths[group], parents)
+            verdict = _greedy_op(part, draft, lens, parents)
         else:
             probs, a = [], 0
             for i in group:
                 probs.append(probs_from_logits(part[a: a + lengths[i] + 1], params[i]))
-                a += int(lengths[i]) + 1
-            accepted, last, leaf = _rejection_op(torch.cat(probs), draft, lengths[group], parents,
-                                                 torch.cat([uniforms[i] for i in group]))
+                a += lengths[i] + 1
+            verdict = _rejection_op(torch.cat(probs), draft, lens, parents,
+                                    torch.cat([uniforms[i] for i in group]))
+        accepted, last, leaf = (t.tolist() for t in verdict)
         for j, i in enumerate(group):
-            out[i] = _result(props[i], int(accepted[j]), int(last[j]), int(leaf[j]))
+            out[i] = _result(props[i], accepted[j], last[j], leaf[j])
     return out
 
 

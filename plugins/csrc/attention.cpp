@@ -23,13 +23,13 @@
 void attend_items_avx512(const float* qp, const float* kp, const float* vp, float* op,
                          const int64_t* slots, const int64_t* pos, const int64_t* hi,
                          const int64_t* tbeg, const int64_t* tree, int64_t N, int64_t H,
-                         int64_t Hkv, int64_t M, int64_t D, int64_t window, float scale, int64_t a,
-                         int64_t b, float* buf, const float** rows);
+                         int64_t Hkv, int64_t parts, int64_t M, int64_t D, int64_t window,
+                         float scale, int64_t a, int64_t b, float* buf, const float** rows);
 void attend_items_avx512(const float* qp, const uint16_t* kp, const uint16_t* vp, float* op,
                          const int64_t* slots, const int64_t* pos, const int64_t* hi,
                          const int64_t* tbeg, const int64_t* tree, int64_t N, int64_t H,
-                         int64_t Hkv, int64_t M, int64_t D, int64_t window, float scale, int64_t a,
-                         int64_t b, float* buf, const uint16_t** rows);
+                         int64_t Hkv, int64_t parts, int64_t M, int64_t D, int64_t window,
+                         float scale, int64_t a, int64_t b, float* buf, const uint16_t** rows);
 
 namespace {
 // float32 -> the cache's element: itself, or bf16 rounded to nearest even (NaN kept a NaN)
@@ -62,7 +62,11 @@ void write_and_attend(const float* ks, const float* vs, T* kd, T* vd, const floa
   const float scale = 1.0f / std::sqrt(float(D));
   auto* fn = use_avx512() ? static_cast<decltype(&attend_items<V256, T>)>(&attend_items_avx512)
                           : &attend_items<V256, T>;
-  at::parallel_for(0, N * Hkv, 1, [&](int64_t a, int64_t b) {
+  // one row on a few threads (3 kv heads on 2): a kv head's query heads in two parts, so the
+  // threads share 5:4 query heads instead of 2:1 kv heads
+  const int64_t items = N * Hkv, threads = at::get_num_threads();
+  const int64_t parts = items % threads && items < 4 * threads && H / Hkv > 1 ? 2 : 1;
+  at::parallel_for(0, items * parts, 1, [&](int64_t a, int64_t b) {
     // denormals read and written as zero while this thread attends: where a row attends sharply
     // (a draft's block to itself), its first keys' weights times their values are below
     // float32's normal range, and summing those took the CPU's slow path at every step (a DFly
@@ -72,7 +76,7 @@ void write_and_attend(const float* ks, const float* vs, T* kd, T* vd, const floa
     std::vector<float> buf((H / Hkv) * (longest + 2 * kKeyTile));
     std::vector<const T*> rows(widest);
     fn(qp, kd, vd, op, slp, pp, is_tree ? hi.data() : nullptr, is_tree ? tbeg.data() : nullptr,
-       tree.data(), N, H, Hkv, M, D, window, scale, a, b, buf.data(), rows.data());
+       tree.data(), N, H, Hkv, parts, M, D, window, scale, a, b, buf.data(), rows.data());
     _mm_setcsr(csr);
   });
 }

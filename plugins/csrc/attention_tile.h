@@ -143,20 +143,23 @@ void weighted_values(float* const* w, const float* inv, int64_t len, const T* va
     }
 }
 
-// Work items [a, b) of Hkv * N (kv head, row n): the `group` query heads of that kv head. Items
-// run kv head by kv head, so the rows of one request (adjacent) reuse that head's keys and values
-// while they are still in cache. Row n attends to its slot's keys lo..hi[n] (hi = pos when
-// null), then to the keys at the `tree` positions tree[tbeg[n] .. tbeg[n + 1]) (a token tree's
-// ancestors that are not stored contiguously; none when tbeg is null). buf holds
-// group * (longest key list + 2 * kKeyTile) floats, rows (longest tree list) pointers.
+// Work items [a, b) of Hkv * N * parts (kv head, row n, part): part p of the `group` query heads
+// of that kv head (parts of ceil(group / parts) heads; each head's numbers are the same however
+// heads are grouped). Items run kv head by kv head, so the rows of one request (adjacent) reuse
+// that head's keys and values while they are still in cache. Row n attends to its slot's keys
+// lo..hi[n] (hi = pos when null), then to the keys at the `tree` positions tree[tbeg[n] ..
+// tbeg[n + 1]) (a token tree's ancestors that are not stored contiguously; none when tbeg is
+// null). buf holds group * (longest key list + 2 * kKeyTile) floats, rows (longest tree list)
+// pointers.
 template <class V, class T>
 void attend_items(const float* qp, const T* kp, const T* vp, float* op,
                   const int64_t* slots, const int64_t* pos, const int64_t* hi,
                   const int64_t* tbeg, const int64_t* tree, int64_t N, int64_t H, int64_t Hkv,
-                  int64_t M, int64_t D, int64_t window, float scale, int64_t a, int64_t b,
-                  float* buf, const T** rows) {
-  const int64_t group = H / Hkv;
-  for (int64_t nk = a; nk < b; ++nk) {
+                  int64_t parts, int64_t M, int64_t D, int64_t window, float scale, int64_t a,
+                  int64_t b, float* buf, const T** rows) {
+  const int64_t group = H / Hkv, per = (group + parts - 1) / parts;
+  for (int64_t item = a; item < b; ++item) {
+    const int64_t nk = item / parts, h0 = item % parts * per, h1 = h0 + per < group ? h0 + per : group;
     const int64_t n = nk % N, kvh = nk / N, p = hi ? hi[n] : pos[n];
     const int64_t extra = tbeg ? tbeg[n + 1] - tbeg[n] : 0;
     const int64_t* far = tbeg ? tree + tbeg[n] : nullptr;
@@ -165,8 +168,8 @@ void attend_items(const float* qp, const T* kp, const T* vp, float* op,
     const int64_t stride = skip + len + extra + V::lanes;  // room for the last vector's overrun
     const int64_t base = (slots[n] * Hkv + kvh) * M * D;  // same offset in k and v
     for (int64_t e = 0; e < extra; ++e) rows[e] = vp + base + far[e] * D;
-    for (int64_t g0 = 0; g0 < group; g0 += 4) {
-      const int gs = group - g0 < 4 ? int(group - g0) : 4;
+    for (int64_t g0 = h0; g0 < h1; g0 += 4) {
+      const int gs = h1 - g0 < 4 ? int(h1 - g0) : 4;
       const float* qs[4];
       float* raw[4];
       float* sc[4];

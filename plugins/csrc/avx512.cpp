@@ -63,17 +63,17 @@ void quant_blocks_avx512(const float* x, const uint8_t* q, const float* scale,
 void attend_items_avx512(const float* qp, const float* kp, const float* vp, float* op,
                          const int64_t* slots, const int64_t* pos, const int64_t* hi,
                          const int64_t* tbeg, const int64_t* tree, int64_t N, int64_t H,
-                         int64_t Hkv, int64_t M, int64_t D, int64_t window, float scale, int64_t a,
-                         int64_t b, float* buf, const float** rows) {
-  attend_items<V512>(qp, kp, vp, op, slots, pos, hi, tbeg, tree, N, H, Hkv, M, D, window, scale,
-                     a, b, buf, rows);
+                         int64_t Hkv, int64_t parts, int64_t M, int64_t D, int64_t window,
+                         float scale, int64_t a, int64_t b, float* buf, const float** rows) {
+  attend_items<V512>(qp, kp, vp, op, slots, pos, hi, tbeg, tree, N, H, Hkv, parts, M, D, window,
+                     scale, a, b, buf, rows);
 }
 
 void attend_items_avx512(const float* qp, const uint16_t* kp, const uint16_t* vp, float* op,
                          const int64_t* slots, const int64_t* pos, const int64_t* hi,
                          const int64_t* tbeg, const int64_t* tree, int64_t N, int64_t H,
-                         int64_t Hkv, int64_t M, int64_t D, int64_t window, float scale, int64_t a,
-                         int64_t b, float* buf, const uint16_t** rows) {
-  attend_items<V512>(qp, kp, vp, op, slots, pos, hi, tbeg, tree, N, H, Hkv, M, D, window, scale,
-                     a, b, buf, rows);
+                         int64_t Hkv, int64_t parts, int64_t M, int64_t D, int64_t window,
+                         float scale, int64_t a, int64_t b, float* buf, const uint16_t** rows) {
+  attend_items<V512>(qp, kp, vp, op, slots, pos, hi, tbeg, tree, N, H, Hkv, parts, M, D, window,
+                     scale, a, b, buf, rows);
 }

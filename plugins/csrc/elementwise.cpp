@@ -95,69 +95,12 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
   return y;
 }
 
-// x [N, V] float32 -> [N] int64: each row's first maximum, as torch's max(-1).indices gives it
-// (a NaN counts as the maximum: the first NaN). Two passes over a row (it stays in cache): the
-// maximum in four independent accumulators of 8 lanes, then the first index holding it.
-// Verification takes the target's greedy token of every row this way: torch's reduction ran ~12
-// us a row on one thread, ~0.3 ms of a 16-request step.
-torch::Tensor row_argmax(const torch::Tensor& x) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) > 0,
-              "row_argmax: float32 [N, V] with V > 0 expected");
-  auto xc = x.contiguous();
-  const int64_t n = xc.size(0), v = xc.size(1);
-  auto out = torch::empty({n}, torch::kLong);
-  const float* xp = xc.data_ptr<float>();
-  int64_t* op = out.data_ptr<int64_t>();
-  at::parallel_for(0, n, 4, [&](int64_t a, int64_t b) {
-    for (int64_t r = a; r < b; ++r) {
-      const float* xr = xp + r * v;
-      const int64_t v32 = v & ~int64_t(31);
-      __m256 m[4], bad = _mm256_setzero_ps();
-      for (auto& mk : m) mk = _mm256_set1_ps(-__builtin_inff());
-      for (int64_t i = 0; i < v32; i += 32)
-        for (int k = 0; k < 4; ++k) {
-          const __m256 xv = _mm256_loadu_ps(xr + i + 8 * k);
-          m[k] = _mm256_max_ps(m[k], xv);
-          bad = _mm256_or_ps(bad, _mm256_cmp_ps(xv, xv, _CMP_UNORD_Q));
-        }
-      alignas(32) float lanes[8];
-      _mm256_store_ps(lanes, _mm256_max_ps(_mm256_max_ps(m[0], m[1]), _mm256_max_ps(m[2], m[3])));
-      float top = -__builtin_inff();
-      for (float l : lanes) top = l > top ? l : top;
-      bool nan = _mm256_movemask_ps(bad) != 0;
-      for (int64_t i = v32; i < v && !nan; ++i) {
-        nan = xr[i] != xr[i];
-        top = xr[i] > top ? xr[i] : top;
-      }
-      int64_t best = 0;
-      if (nan) {
-        while (xr[best] == xr[best]) ++best;
-      } else {
-        const __m256 t = _mm256_set1_ps(top);
-        const int64_t v8 = v & ~int64_t(7);
-        int64_t i = 0;
-        int hit = 0;
-        for (; i < v8 && !(hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(xr + i), t, _CMP_EQ_OQ))); i += 8) {}
-        if (hit) {
-          best = i + __builtin_ctz(hit);
-        } else {
-          for (best = v8; xr[best] != top; ++best) {}
-        }
-      }
-      op[r] = best;
-    }
-  });
-  return out;
-}
-
 TORCH_LIBRARY_FRAGMENT(angelspec, m) {
-  m.def("row_argmax(Tensor x) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin, Tensor positions, int heads) -> ()");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(angelspec, CPU, m) {
-  m.impl("row_argmax", &row_argmax);
   m.impl("rms_norm", &rms_norm);
   m.impl("rope_", &rope_);
   m.impl("silu_mul", &silu_mul);
