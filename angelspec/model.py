@@ -28,8 +28,7 @@ from angelspec.plugins import (
     silu_mul,
 )
 from angelspec.plugins.attention import KEY_TILE, keys, kv_cache
-from angelspec.plugins.decoder_layer import decoder_layer
-from angelspec.plugins.decoder_layer import prepare as prepare_layer
+from angelspec.plugins.decoder_layer import decoder_stack, prepare_stack
 from angelspec.plugins.linear import SCHEMES
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -196,9 +195,9 @@ class Llama:
         self.weights = "float32"  # the matmul weights (pack_bf16: "bfloat16"; quantize: SCHEMES)
         self.backend = "eager"  # how forward runs (runtime/backend.py: use_backend)
         self.compiled = None  # the compiled forward of a compiled backend
-        self.fused = True  # decoding forwards run each layer as one op (plugins.decoder_layer)
+        self.fused = True  # decoding forwards run every layer in one op (plugins.decoder_layer)
         self.kv_dtype = torch.float32  # the KV cache's values (KV_CACHES; new_cache)
-        self._prepared = None  # the layers' decoder_layer arguments, built at first use
+        self._prepared = None  # the layers' decoder_stack arguments, built at first use
         self.norm = get("model.norm.weight")
         self.layers = []
         for i in range(cfg.num_layers):
@@ -341,16 +340,17 @@ class Llama:
         x = F.embedding(tokens, self.embed)
         hidden = {0: x} if 0 in capture else {}
         nq, nkv, hd, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
-        # decoding and verification: each layer one op, the same kernels in the same order
-        fused = self.fused and len(tokens) <= SKINNY_MAX_ROWS and not torch.compiler.is_compiling()
-        if fused and self._prepared is None:
-            self._prepared = [prepare_layer(layer, eps) for layer in self.layers]
-        for i, layer in enumerate(self.layers):
-            if fused:
-                x = decoder_layer(x, self._prepared[i], self.cos, self.sin, batch.rope_positions, nq,
-                                  nkv, cache.k[i], cache.v[i], batch.slots, batch.positions,
-                                  batch.parents, cfg.sliding_window)
-            else:
+        # decoding and verification: every layer in one op, the same kernels in the same order
+        if self.fused and len(tokens) <= SKINNY_MAX_ROWS and not torch.compiler.is_compiling():
+            if self._prepared is None:
+                self._prepared = prepare_stack(self.layers, eps)
+            layers = [i for i in capture if i > 0]
+            x, outs = decoder_stack(x, self._prepared, self.cos, self.sin, batch.rope_positions, nq, nkv,
+                                    cache.k, cache.v, batch.slots, batch.positions, batch.parents,
+                                    cfg.sliding_window, layers)
+            hidden.update(zip(layers, outs))
+        else:
+            for i, layer in enumerate(self.layers):
                 qkv = linear(rms_norm(x, layer["in_norm"], eps), layer["qkv"], layer["qkv_b"])
                 qkv = qkv.view(-1, nq + 2 * nkv, hd)
                 rope_(qkv, self.cos, self.sin, batch.rope_positions, nq + nkv)
@@ -360,8 +360,8 @@ class Llama:
                 gate_up = linear(rms_norm(x, layer["post_norm"], eps), layer["gate_up"],
                                  layer["gate_up_b"])
                 x = x + linear(silu_mul(gate_up), layer["down"], layer["down_b"])
-            if i + 1 in capture:
-                hidden[i + 1] = x
+                if i + 1 in capture:
+                    hidden[i + 1] = x
         if logit_rows is not None:
             x = x[logit_rows]
         return self.head(x), hidden

@@ -58,10 +58,11 @@ def test_verification_forward_rounds_exactly_like_one_token_forwards(tiny):
 
 @pytest.mark.parametrize("name", ["llama_linear_rope_bias", "mistral", "mistral_sliding_window"])
 def test_each_layer_as_one_op_computes_what_the_ops_one_by_one_compute(tmp_path, name):
-    """plugins.decoder_layer (decoding and verification forwards) against the model's op-by-op
-    layer loop, bit for bit: prefill, decode steps, a token tree, captured hidden states, for
-    every weight kind it dispatches (float32; bf16, on AMX tiles or in row order; weight-only and int8-activation
-    quantized), with biases, a head_dim of its own and a sliding window."""
+    """plugins.decoder_layer (decoding and verification forwards: every layer in one
+    decoder_stack call) against the model's op-by-op layer loop, bit for bit: prefill, decode
+    steps, a token tree, captured hidden states, for every weight kind it dispatches (float32;
+    bf16, on AMX tiles or in row order; weight-only and int8-activation quantized), with biases, a
+    head_dim of its own and a sliding window."""
     make_checkpoint(tmp_path, **VARIANTS[name])
     cfg = read_config(tmp_path)
     base = Llama(cfg, read_weights(tmp_path), max_len=128)
@@ -81,6 +82,15 @@ def test_each_layer_as_one_op_computes_what_the_ops_one_by_one_compute(tmp_path,
             b, hb = ops.forward(toks, ops.batch(segs), caches[1], capture=(1, cfg.num_layers))
             assert torch.equal(a, b) and all(torch.equal(ha[k], hb[k]) for k in hb), (weights, len(toks))
         assert all(torch.equal(x, y) for x, y in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v))
+
+
+def test_the_layer_stack_names_a_captured_layer_it_does_not_have(tmp_path):
+    make_checkpoint(tmp_path)
+    cfg = read_config(tmp_path)
+    model = Llama(cfg, read_weights(tmp_path), max_len=64)
+    with pytest.raises(RuntimeError, match=f"capture names layer {cfg.num_layers + 1}, not one of 1..{cfg.num_layers}"):
+        model.forward(torch.arange(3), model.batch([Segment(0, 0, 3)]), model.new_cache(1, 64),
+                      capture=(1, cfg.num_layers + 1))
 
 
 def test_each_layer_as_one_op_with_bf16_rows_where_the_cpu_has_tiles():
