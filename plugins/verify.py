@@ -5,10 +5,11 @@ Layout shared by both ops (PACKED, as the verification forward runs): request b 
 `lengths[b] + 1` consecutive rows - its anchor row, then one row per draft token - and its draft
 tokens are `lengths[b]` consecutive entries of `draft`, with `parents` (same layout): the index of
 each token's parent among its request's tokens, -1 for a child of the anchor (a chain: -1, 0, 1,
-...; parents come before their children). Both return (accepted [B], last [B], leaf [B]): the
-number of draft tokens kept (the depth of the deepest accepted token), the one token of the
-target's own that ends the step (the bonus token after it, or the correction where no child
-matches), and the index of that deepest accepted token (-1: none).
+...; parents come before their children; `parents` empty: every draft is a chain). Both return
+(accepted [B], last [B], leaf [B]): the number of draft tokens kept (the depth of the deepest
+accepted token), the one token of the target's own that ends the step (the bonus token after
+it, or the correction where no child matches), and the index of that deepest accepted token
+(-1: none).
 """
 import torch
 from torch import Tensor

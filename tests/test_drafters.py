@@ -441,10 +441,11 @@ def test_ngram_tree_offers_the_contexts_other_continuations():
     assert tree.confidence[2] < tree.confidence[0]  # the others count half
 
 
-def test_ngram_indexes_its_context_as_tokens_commit_not_while_drafting(tiny):
-    """A prompt's n-grams are indexed at prefill and each step's tokens at their commit, so a
-    step's drafting time is the lookup alone: counted into drafting, a long prompt's indexing
-    (milliseconds on a 2-core CPU) made the gate sit ngram out under load (16 in flight)."""
+def test_ngram_indexes_a_prompt_at_prefill_not_while_drafting(tiny):
+    """A prompt's n-grams are indexed at prefill, so a step's drafting is the lookup and the
+    last step's few tokens: counted into drafting, a long prompt's indexing (milliseconds on a
+    2-core CPU) made the gate sit ngram out under load (16 in flight). Later tokens wait for the
+    next draft, so a step where the gate sits ngram out costs it nothing."""
     from angelspec.drafters import NgramDrafter
 
     behind = []
@@ -459,4 +460,4 @@ def test_ngram_indexes_its_context_as_tokens_commit_not_while_drafting(tiny):
     out = eng.generate([Request(p, SamplingParams(max_tokens=12), "spy") for p in prompts])
     ref = eng.generate([Request(p, SamplingParams(max_tokens=12), "none") for p in prompts])
     assert [r.tokens for r in out] == [r.tokens for r in ref]
-    assert behind and set(behind) == {0}
+    assert behind and max(behind) <= 3 + 1  # a step commits at most its draft and the bonus token

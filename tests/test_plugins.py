@@ -58,6 +58,9 @@ def test_verify_greedy_matches_per_request_rule():
     for lengths in ([3, 0, 5], [1], [0, 0], [7, 7, 2, 4]):
         logits, draft, lens = ragged(lengths)
         accepted, last, leaf = verify_greedy(logits, draft, lens, chains(lengths))
+        # parents empty: every draft a chain (as the runtime passes chains)
+        assert all(torch.equal(a, b) for a, b in zip(
+            verify_greedy(logits, draft, lens, torch.zeros(0, dtype=torch.long)), (accepted, last, leaf)))
         row = tok = 0
         for b, k in enumerate(lengths):
             best = logits[row: row + k + 1].argmax(-1)

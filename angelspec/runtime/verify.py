@@ -15,10 +15,13 @@ import torch
 from angelspec.drafters import Proposal
 from angelspec.plugins import verify_greedy as _greedy_op
 from angelspec.plugins import verify_rejection as _rejection_op
+from angelspec.plugins.attention import CHAIN
 from angelspec.sampling import probs_from_logits
 
 
 def _result(prop: Proposal, accepted: int, last: int, leaf: int) -> tuple[int, list[int], list[int]]:
+    if not accepted:
+        return 0, [last], []
     if prop.parents is None:  # a chain: its first `accepted` tokens
         return accepted, prop.tokens[:accepted].tolist() + [last], list(range(accepted))
     path = prop.path(leaf)
@@ -43,7 +46,8 @@ def verify_batch(logits: torch.Tensor, props: list[Proposal], params: list,
         part = logits if len(group) == len(props) else logits[torch.cat(
             [torch.arange(starts[i], starts[i + 1]) for i in group])]
         draft = torch.cat([props[i].tokens for i in group])
-        parents = torch.cat([props[i].parent_index() for i in group])
+        parents = CHAIN if all(props[i].parents is None for i in group) else torch.cat(
+            [props[i].parent_index() for i in group])
         lens = torch.tensor([lengths[i] for i in group])
         if group is greedy:
             verdict = _greedy_op(part, draft, lens, parents)

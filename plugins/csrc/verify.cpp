@@ -66,7 +66,8 @@ torch::Tensor row_argmax(const torch::Tensor& x) {
   return out;
 }
 
-// own [N]: the target's own token at every row; draft, parents [sum(lengths)]; lengths [B] ->
+// own [N]: the target's own token at every row; draft, parents [sum(lengths)] (parents empty:
+// every draft a chain, token i's parent i - 1, as cached_attention takes them); lengths [B] ->
 // (accepted, last, leaf) [B] (int64). A draft token is accepted when its parent is (the anchor
 // always is) and it equals the target's own token at its parent's row; each request keeps its
 // deepest accepted token (the first of equal depth) and ends with the target's own token after it.
@@ -83,7 +84,8 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> accept_paths(
     rows += lp[b] + 1;
     toks += lp[b];
   }
-  TORCH_CHECK(ow.numel() == rows && dr.numel() == toks && pa.numel() == toks,
+  const bool chains = pa.numel() == 0;
+  TORCH_CHECK(ow.numel() == rows && dr.numel() == toks && (chains || pa.numel() == toks),
               "accept_paths: ", B, " requests with ", toks, " draft tokens need ", rows,
               " rows and as many parents as tokens; got ", ow.numel(), " rows, ", dr.numel(),
               " tokens, ", pa.numel(), " parents");
@@ -97,7 +99,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> accept_paths(
     depth.assign(k, 0);
     int64_t best = -1, best_depth = 0;
     for (int64_t i = 0; i < k; ++i) {
-      const int64_t p = pp[tok + i];
+      const int64_t p = chains ? i - 1 : pp[tok + i];
       TORCH_CHECK(p >= -1 && p < i, "accept_paths: token ", i, " of request ", b, " has parent ", p,
                   " (an earlier token of its request, or -1)");
       const int64_t up = p < 0 ? 0 : depth[p];
