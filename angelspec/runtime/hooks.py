@@ -36,12 +36,15 @@ class StepHooks:
     def t_fixed(self, batch: int) -> float:
         return max(self.t_fixed_ema + self.fwd_offset.get(batch, 0.0), 0.0)
 
-    def shadow(self, active: list[RequestState]) -> None:
+    def shadow(self, active: list[RequestState], names: list[str]) -> None:
         """Routed requests: every few steps one other candidate drafts too, for the router to
-        score once the target's tokens are known."""
+        score once the target's tokens are known. Not for a request that does not draft this
+        step (names[i] "none": the gate sat its drafter out, or it is on its last token): under
+        a load where its own drafter does not pay, a contender's draft would not either, and
+        its shadow drafts were all `auto` cost over `ngram` at 16 in flight."""
         e, due = self.engine, {}
-        for i, s in enumerate(active):
-            if s.route is not None:
+        for i, (s, name) in enumerate(zip(active, names)):
+            if s.route is not None and name != "none":
                 name = e.router.shadow_due(s.route, s.drafter, e.available, self.curve)
                 if name:
                     due[i] = name

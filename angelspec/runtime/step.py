@@ -33,7 +33,7 @@ def speculative_step(engine, active: list[RequestState]) -> Committed:
         active, names, props, drafting = without_failed(active, names, props, drafting)
         if not active:
             return failed
-    hooks.shadow(active)
+    hooks.shadow(active, names)
     t_draft = time.perf_counter() - t_start
     # 2. D-cut: the batch's likeliest draft tokens (by calibrated survival), against the
     # verification cost
