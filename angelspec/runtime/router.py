@@ -7,9 +7,10 @@ first drafter, then shadow drafting lets the evidence switch it.
    and to its contenders: the drafters measured within `CONTEND` of the fastest, and always
    `ngram`, whose shadow draft is a cheap lookup. Only contenders follow a request's commits.
 2. **Online rule.** Every few steps ONE other contender (round robin) also drafts for the
-   request. Once the positions it covers are committed, its accepted length is the length of its
-   prefix matching the committed tokens (exact under greedy), so no extra target forward is
-   needed. A drafter's value for the request is what it adds to the engine's throughput:
+   request (not while the gate sits the request's own drafter out: see StepHooks.shadow).
+   Once the positions it covers are committed, its accepted length is the length of its prefix
+   matching the committed tokens (exact under greedy), so no extra target forward is needed.
+   A drafter's value for the request is what it adds to the engine's throughput:
 
        value = (1 + mean accepted) - rate * (mean draft time + C(rows + k) - C(rows))
 
