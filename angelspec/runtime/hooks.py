@@ -43,8 +43,8 @@ class StepHooks:
         a load where its own drafter does not pay, a contender's draft would not either, and
         its shadow drafts were all `auto` cost over `ngram` at 16 in flight."""
         e, due = self.engine, {}
-        for i, (s, name) in enumerate(zip(active, names)):
-            if s.route is not None and name != "none":
+        for i, (s, own) in enumerate(zip(active, names)):
+            if s.route is not None and own != "none":
                 name = e.router.shadow_due(s.route, s.drafter, e.available, self.curve)
                 if name:
                     due[i] = name

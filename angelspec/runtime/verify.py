@@ -33,8 +33,8 @@ def verify_batch(logits: torch.Tensor, props: list[Proposal], params: list,
     """logits [sum(k_i + 1), vocab] packed request by request (anchor row, then one per draft
     token); props: each request's proposal (k_i tokens, a chain or a tree); params: each
     request's SamplingParams; uniforms: for a sampling request the [k_i + 1] uniforms of its rows'
-    positions (sampling.position_uniforms), else None. Greedy requests (most often all of them)
-    take one op call; the step pays this for every request at every step."""
+    positions (sampling.position_uniforms), else None. The greedy requests (most often all)
+    take one op call, the sampling ones another."""
     lengths = [len(p.tokens) for p in props]
     starts = [0, *itertools.accumulate(k + 1 for k in lengths)]
     out: list = [None] * len(props)
