@@ -40,8 +40,8 @@ class StepHooks:
         """Routed requests: every few steps one other candidate drafts too, for the router to
         score once the target's tokens are known. Not for a request that does not draft this
         step (names[i] "none": the gate sat its drafter out, or it is on its last token): under
-        a load where its own drafter does not pay, a contender's draft would not either, and
-        its shadow drafts were all `auto` cost over `ngram` at 16 in flight."""
+        a load where its own drafter does not pay, a contender's draft would not either (at 16
+        in flight they were most of what `auto`'s drafting cost over `ngram`'s)."""
         e, due = self.engine, {}
         for i, (s, own) in enumerate(zip(active, names)):
             if s.route is not None and own != "none":

@@ -87,7 +87,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> accept_paths(
   const bool chains = pa.numel() == 0;
   TORCH_CHECK(ow.numel() == rows && dr.numel() == toks && (chains || pa.numel() == toks),
               "accept_paths: ", B, " requests with ", toks, " draft tokens need ", rows,
-              " rows and as many parents as tokens; got ", ow.numel(), " rows, ", dr.numel(),
+              " rows and as many parents as tokens (or none: chains); got ", ow.numel(), " rows, ", dr.numel(),
               " tokens, ", pa.numel(), " parents");
   const int64_t *op = ow.data_ptr<int64_t>(), *dp = dr.data_ptr<int64_t>(), *pp = pa.data_ptr<int64_t>();
   auto accepted = torch::empty({B}, torch::kLong), last = torch::empty({B}, torch::kLong),
