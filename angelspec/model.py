@@ -197,7 +197,7 @@ class Llama:
         self.compiled = None  # the compiled forward of a compiled backend
         self.fused = True  # decoding forwards run every layer in one op (plugins.decoder_layer)
         self.kv_dtype = torch.float32  # the KV cache's values (KV_CACHES; new_cache)
-        self._prepared = None  # the layers' decoder_stack arguments, built at first use
+        self._prepared = None  # the layers as decoder_stack takes them (prepare_stack), built at first use
         self.norm = get("model.norm.weight")
         self.layers = []
         for i in range(cfg.num_layers):
@@ -343,9 +343,9 @@ class Llama:
         # decoding and verification: every layer in one op, the same kernels in the same order
         if self.fused and len(tokens) <= SKINNY_MAX_ROWS and not torch.compiler.is_compiling():
             if self._prepared is None:
-                self._prepared = prepare_stack(self.layers, eps)
+                self._prepared = prepare_stack(self.layers, eps, nq, nkv, hd)
             layers = [i for i in capture if i > 0]
-            x, outs = decoder_stack(x, self._prepared, self.cos, self.sin, batch.rope_positions, nq, nkv,
+            x, outs = decoder_stack(x, self._prepared, self.cos, self.sin, batch.rope_positions,
                                     cache.k, cache.v, batch.slots, batch.positions, batch.parents,
                                     cfg.sliding_window, layers)
             hidden.update(zip(layers, outs))

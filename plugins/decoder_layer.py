@@ -2,9 +2,9 @@
 rms_norm, qkv, rope_, cached_attention, o, the residual, rms_norm, gate_up, silu_mul, down and
 the residual, calling the same kernels in the same order as the model's layer loop does op by
 op, so the numbers are the same bit for bit, in one trip from Python instead of a dozen; and
-every layer of a forward in one call (`angelspec::decoder_stack`: decoder_layer layer after
-layer). Up to SKINNY_MAX_ROWS rows (longer inputs take the op-by-op path, whose matmuls change
-kernels there).
+every layer of a forward in one call (`angelspec::DecoderStack`, whose weights are checked and
+taken apart once, a model's forward after forward). Up to SKINNY_MAX_ROWS rows (longer inputs take
+the op-by-op path, whose matmuls change kernels there).
 """
 import torch
 
@@ -14,7 +14,6 @@ from angelspec.plugins.linear import Bf16Weight, QuantWeight
 
 load_kernels()
 _layer = torch.ops.angelspec.decoder_layer
-_stack = torch.ops.angelspec.decoder_stack
 MATMULS = ("qkv", "o", "gate_up", "down")
 
 
@@ -47,8 +46,9 @@ def decoder_layer(x: torch.Tensor, prepared: tuple, cos: torch.Tensor, sin: torc
                   CHAIN if parents is None else parents, window or 0)
 
 
-def prepare_stack(layers: list[dict], eps: float) -> tuple:
-    """Every layer's own arguments of decoder_stack (flattened layer after layer), built once."""
+def prepare_stack(layers: list[dict], eps: float, nq: int, nkv: int, head_dim: int):
+    """Every layer's weights, checked and taken apart once (`angelspec::DecoderStack`: the layers'
+    arguments flattened layer after layer), for decoder_stack."""
     norms, weights, counts, kinds, biases = [], [], [], [], []
     for layer in layers:
         norms += [layer["in_norm"], layer["post_norm"]]
@@ -58,16 +58,16 @@ def prepare_stack(layers: list[dict], eps: float) -> tuple:
             counts.append(len(w))
             kinds.append(kind)
             biases.append(layer[k + "_b"])
-    return norms, eps, weights, counts, kinds, biases
+    return torch.classes.angelspec.DecoderStack(norms, eps, weights, counts, kinds, biases, nq, nkv, head_dim)
 
 
-def decoder_stack(x: torch.Tensor, prepared: tuple, cos: torch.Tensor, sin: torch.Tensor,
-                  rope_positions: torch.Tensor, nq: int, nkv: int, k_caches: list, v_caches: list,
+def decoder_stack(x: torch.Tensor, stack, cos: torch.Tensor, sin: torch.Tensor,
+                  rope_positions: torch.Tensor, k_caches: list, v_caches: list,
                   slots: torch.Tensor, positions: torch.Tensor, parents: torch.Tensor | None,
                   window: int | None, capture: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """x [N, hidden] through every layer -> (the last layer's output, [the output of layer i
-    (counted from 1) for i in capture]); writes this forward's keys and values into each
-    layer's caches."""
-    out = _stack(x, *prepared, cos, sin, rope_positions, nq, nkv, k_caches, v_caches, slots, positions,
-                 CHAIN if parents is None else parents, window or 0, capture)
+    """x [N, hidden] through every layer of `stack` (prepare_stack's) -> (the last layer's
+    output, [the output of layer i (counted from 1) for i in capture]); writes this forward's
+    keys and values into each layer's caches."""
+    out = stack.forward(x, cos, sin, rope_positions, k_caches, v_caches, slots, positions,
+                        CHAIN if parents is None else parents, window or 0, capture)
     return out[0], out[1:]

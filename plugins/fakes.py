@@ -33,12 +33,6 @@ def _(x, in_norm, post_norm, eps, qkv, o, gate_up, down, kinds, qkv_b, o_b, gate
     return torch.empty_like(x)
 
 
-@torch.library.register_fake("angelspec::decoder_stack")
-def _(x, norms, eps, weights, counts, kinds, biases, cos, sin, rope_positions, nq, nkv, k_caches,
-      v_caches, slots, positions, parents, window, capture):
-    return [torch.empty_like(x) for _ in range(1 + len(capture))]
-
-
 @torch.library.register_fake("angelspec::amx_pack")
 def _(w):
     return w.new_empty(w.shape, dtype=torch.bfloat16)

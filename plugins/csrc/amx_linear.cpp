@@ -12,6 +12,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "layer_rows.h"
+
 void amx_blocks(const uint16_t* x, int64_t n, int64_t in, const uint16_t* w, float* y,
                 int64_t out, int64_t b0, int64_t b1);
 void amx_to_bf16(const float* x, uint16_t* xb, int64_t count);
@@ -75,28 +77,35 @@ torch::Tensor amx_pack(const torch::Tensor& w) {
   return packed;
 }
 
-torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& w) {
-  TORCH_CHECK(amx_available(), "amx_linear: this CPU (or kernel) offers no AMX-BF16 tiles");
-  TORCH_CHECK(x.dim() == 2 && x.dtype() == torch::kFloat32, "amx_linear: float32 x [n, in] expected");
-  TORCH_CHECK(w.dim() == 2 && w.dtype() == torch::kBFloat16 && w.size(1) == x.size(1),
-              "amx_linear: w packed by amx_pack [out, in] expected, got ", w.sizes(), " for x ", x.sizes());
-  const int64_t n = x.size(0), in = x.size(1), out = w.size(0);
-  check_shapes(out, in, "amx_linear");
-  auto y = torch::empty({n, out}, x.options());
-  if (n == 0) return y;
+void amx_linear_rows(const float* x, const uint16_t* wp, float* yp, int64_t n, int64_t in, int64_t out) {
+  if (n == 0) return;
   // the activations in bf16, padded with zero rows to whole 16-row tiles (a buffer per thread)
   const int64_t n_pad = (n + 15) / 16 * 16;
   static thread_local std::vector<uint16_t> xb;
   if (static_cast<int64_t>(xb.size()) < n_pad * in) xb.resize(n_pad * in);
-  auto xc = x.contiguous();
-  amx_to_bf16(xc.data_ptr<float>(), xb.data(), n * in);
+  amx_to_bf16(x, xb.data(), n * in);
   std::fill(xb.begin() + n * in, xb.begin() + n_pad * in, uint16_t(0));
   const uint16_t* xbp = xb.data();
-  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
-  float* yp = y.data_ptr<float>();
   at::parallel_for(0, (out / 16 + 3) / 4, 2, [&](int64_t b0, int64_t b1) {
     amx_blocks(xbp, n, in, wp, yp, out, b0, b1);
   });
+}
+
+// w as amx_linear takes it, for x of `in` columns.
+void check_amx_weight(const torch::Tensor& w, int64_t in) {
+  TORCH_CHECK(amx_available(), "amx_linear: this CPU (or kernel) offers no AMX-BF16 tiles");
+  TORCH_CHECK(w.dim() == 2 && w.dtype() == torch::kBFloat16 && w.size(1) == in,
+              "amx_linear: w packed by amx_pack [out, in] expected, got ", w.sizes(), " for x of ", in, " columns");
+  check_shapes(w.size(0), in, "amx_linear");
+}
+
+torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && x.dtype() == torch::kFloat32, "amx_linear: float32 x [n, in] expected");
+  check_amx_weight(w, x.size(1));
+  const int64_t n = x.size(0), in = x.size(1), out = w.size(0);
+  auto y = torch::empty({n, out}, x.options());
+  amx_linear_rows(x.contiguous().data_ptr<float>(), reinterpret_cast<const uint16_t*>(w.data_ptr()),
+                  y.data_ptr<float>(), n, in, out);
   return y;
 }
 

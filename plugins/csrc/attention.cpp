@@ -17,6 +17,7 @@
 #include <vector>
 #include <xmmintrin.h>
 
+#include "layer_rows.h"
 #include "vec.h"
 #include "attention_tile.h"
 
@@ -82,33 +83,29 @@ void write_and_attend(const float* ks, const float* vs, T* kd, T* vd, const floa
 }
 }  // namespace
 
-// q [N, H, D]; k, v [N, Hkv, D] (this forward's keys/values, written into the caches first);
-// k_cache [S, Hkv, M / 16, D, 16] (tiles of 16 keys, transposed), v_cache [S, Hkv, M, D], both
-// float32 or both bf16 (rounded to nearest even as written); M a multiple of 16; slots, positions [N] (int64): where
-// each row's key and value are written; window <= 0: none.
-// parents empty: row n attends to keys (slots[n], j) for j in (positions[n] - window, positions[n]].
-// parents [N] (a token tree): parents[n] < n is the row of n's parent in this call, or -1 for a
-// root, which attends to keys 0..positions[n]; any other row attends to its parent's keys, then
-// its own (no window: trees need full attention).
-torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& k,
-                               const torch::Tensor& v, torch::Tensor k_cache,
-                               torch::Tensor v_cache, const torch::Tensor& slots,
-                               const torch::Tensor& positions, const torch::Tensor& parents,
-                               int64_t window) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && k.dtype() == torch::kFloat32 && v.dtype() == torch::kFloat32,
-              "cached_attention: float32 q, k, v expected");
-  TORCH_CHECK(k_cache.dtype() == v_cache.dtype() &&
-                  (k_cache.dtype() == torch::kFloat32 || k_cache.dtype() == torch::kBFloat16),
-              "cached_attention: float32 or bfloat16 caches (both alike) expected, got ",
-              k_cache.dtype(), " and ", v_cache.dtype());
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 5 && v_cache.dim() == 4,
-              "cached_attention: q [N, H, D], k_cache [S, Hkv, M / 16, D, 16], v_cache [S, Hkv, M, D] expected");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "cached_attention: contiguous caches expected");
-  const int64_t N = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t S = v_cache.size(0), Hkv = v_cache.size(1), M = v_cache.size(2);
-  TORCH_CHECK(v_cache.size(3) == D && H % Hkv == 0 && M % kKeyTile == 0 &&
-              k_cache.sizes() == torch::IntArrayRef({S, Hkv, M / kKeyTile, D, kKeyTile}),
-              "cached_attention: cache shapes disagree: k ", k_cache.sizes(), " v ", v_cache.sizes());
+void attend_rows(const AttentionPlan& plan, const float* q, const float* k, const float* v, void* k_cache,
+                 void* v_cache, bool bf16, float* out, int64_t H, int64_t Hkv, int64_t M, int64_t D,
+                 int64_t window) {
+  const int64_t N = static_cast<int64_t>(plan.slots.size());
+  if (bf16)
+    write_and_attend(k, v, static_cast<uint16_t*>(k_cache), static_cast<uint16_t*>(v_cache), q, out,
+                     plan.slots.data(), plan.positions.data(), plan.hi, plan.tbeg, plan.tree, plan.is_tree, N, H,
+                     Hkv, M, D, window, plan.longest, plan.widest);
+  else
+    write_and_attend(k, v, static_cast<float*>(k_cache), static_cast<float*>(v_cache), q, out, plan.slots.data(),
+                     plan.positions.data(), plan.hi, plan.tbeg, plan.tree, plan.is_tree, N, H, Hkv, M, D, window,
+                     plan.longest, plan.widest);
+}
+
+// The keys each of N rows attends to in caches of S slots of M positions; slots, positions [N]:
+// where each row's own key and value are written. parents empty: row n
+// attends to keys (slots[n], j) for j in (positions[n] - window, positions[n]]. parents [N] (a
+// token tree): parents[n] < n is the row of n's parent in this call, or -1 for a root, which
+// attends to keys 0..positions[n]; any other row attends to its parent's keys, then its own (no
+// window: trees need full attention).
+AttentionPlan plan_attention(const torch::Tensor& slots, const torch::Tensor& positions,
+                             const torch::Tensor& parents, int64_t N, int64_t S, int64_t M, int64_t window) {
+  AttentionPlan plan;
   auto sl = slots.to(torch::kLong).contiguous();
   auto ps = positions.to(torch::kLong).contiguous();
   TORCH_CHECK(sl.numel() == N && ps.numel() == N, "cached_attention: one slot and position per row");
@@ -117,18 +114,19 @@ torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& k,
   for (int64_t n = 0; n < N; ++n)
     TORCH_CHECK(pp[n] >= 0 && pp[n] < M && slp[n] >= 0 && slp[n] < S,
                 "cached_attention: slot ", slp[n], " position ", pp[n], " outside the cache");
+  plan.slots.assign(slp, slp + N);
+  plan.positions.assign(pp, pp + N);
   // a tree's rows: the contiguous run of keys from 0 (the committed ones, the root, and ancestors
   // stored right after them), then the positions of the rest of their ancestors, root first
-  std::vector<int64_t> hi, tbeg, tree;
-  int64_t longest = 0, widest = 0;
-  for (int64_t n = 0; n < N; ++n) longest = std::max(longest, pp[n] + 1);
-  if (parents.numel()) {
+  for (int64_t n = 0; n < N; ++n) plan.longest = std::max(plan.longest, pp[n] + 1);
+  plan.is_tree = parents.numel() > 0;
+  if (plan.is_tree) {
     TORCH_CHECK(window <= 0, "cached_attention: token trees need full attention (no sliding window)");
     auto pa = parents.to(torch::kLong).contiguous();
     TORCH_CHECK(pa.numel() == N, "cached_attention: one parent per row");
     const int64_t* par = pa.data_ptr<int64_t>();
-    hi.resize(N);
-    tbeg.resize(N + 1);
+    plan.hi.resize(N);
+    plan.tbeg.resize(N + 1);
     std::vector<int64_t> path;
     for (int64_t n = 0; n < N; ++n) {
       TORCH_CHECK(par[n] >= -1 && par[n] < n && (par[n] < 0 || slp[par[n]] == slp[n]),
@@ -139,30 +137,54 @@ torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& k,
       std::reverse(path.begin(), path.end());
       size_t i = 1;
       while (i < path.size() && path[i] == path[i - 1] + 1) ++i;
-      hi[n] = path[i - 1];
-      tbeg[n] = int64_t(tree.size());
-      tree.insert(tree.end(), path.begin() + i, path.end());
-      longest = std::max(longest, hi[n] + 1 + int64_t(path.size() - i));
-      widest = std::max(widest, int64_t(path.size() - i));
+      plan.hi[n] = path[i - 1];
+      plan.tbeg[n] = int64_t(plan.tree.size());
+      plan.tree.insert(plan.tree.end(), path.begin() + i, path.end());
+      plan.longest = std::max(plan.longest, plan.hi[n] + 1 + int64_t(path.size() - i));
+      plan.widest = std::max(plan.widest, int64_t(path.size() - i));
     }
-    tbeg[N] = int64_t(tree.size());
+    plan.tbeg[N] = int64_t(plan.tree.size());
   }
+  return plan;
+}
 
-  // write this forward's keys (a column of their tile) and values (a row) at (slot, head,
-  // position), then attend
+// The caches' shapes (k_cache [S, Hkv, M / 16, D, 16], tiles of 16 keys, transposed; v_cache
+// [S, Hkv, M, D], both float32 or both bf16) for H query heads of D; returns whether bf16.
+bool check_caches(const torch::Tensor& k_cache, const torch::Tensor& v_cache, int64_t H, int64_t D) {
+  TORCH_CHECK(k_cache.dtype() == v_cache.dtype() &&
+                  (k_cache.dtype() == torch::kFloat32 || k_cache.dtype() == torch::kBFloat16),
+              "cached_attention: float32 or bfloat16 caches (both alike) expected, got ",
+              k_cache.dtype(), " and ", v_cache.dtype());
+  TORCH_CHECK(k_cache.dim() == 5 && v_cache.dim() == 4,
+              "cached_attention: k_cache [S, Hkv, M / 16, D, 16], v_cache [S, Hkv, M, D] expected");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "cached_attention: contiguous caches expected");
+  const int64_t S = v_cache.size(0), Hkv = v_cache.size(1), M = v_cache.size(2);
+  TORCH_CHECK(v_cache.size(3) == D && H % Hkv == 0 && M % kKeyTile == 0 &&
+              k_cache.sizes() == torch::IntArrayRef({S, Hkv, M / kKeyTile, D, kKeyTile}),
+              "cached_attention: cache shapes disagree: k ", k_cache.sizes(), " v ", v_cache.sizes());
+  return k_cache.dtype() == torch::kBFloat16;
+}
+
+// q [N, H, D]; k, v [N, Hkv, D] (this forward's keys/values, written into the caches first, at
+// (slots[n], positions[n]), bf16 rounded to nearest even when the caches are); M a multiple of
+// 16; window <= 0: none; parents: plan_attention's.
+torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& k,
+                               const torch::Tensor& v, torch::Tensor k_cache,
+                               torch::Tensor v_cache, const torch::Tensor& slots,
+                               const torch::Tensor& positions, const torch::Tensor& parents,
+                               int64_t window) {
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && k.dtype() == torch::kFloat32 && v.dtype() == torch::kFloat32,
+              "cached_attention: float32 q, k, v expected");
+  TORCH_CHECK(q.dim() == 3, "cached_attention: q [N, H, D] expected");
+  const int64_t N = q.size(0), H = q.size(1), D = q.size(2);
+  const bool bf16 = check_caches(k_cache, v_cache, H, D);
+  const int64_t S = v_cache.size(0), Hkv = v_cache.size(1), M = v_cache.size(2);
+  const AttentionPlan plan = plan_attention(slots, positions, parents, N, S, M, window);
   auto kc = k.reshape({N, Hkv, D}).contiguous(), vc = v.reshape({N, Hkv, D}).contiguous();
   auto qc = q.contiguous();
   auto out = torch::empty({N, H, D}, qc.options());
-  const bool is_tree = parents.numel() > 0;
-  if (k_cache.dtype() == torch::kFloat32)
-    write_and_attend(kc.data_ptr<float>(), vc.data_ptr<float>(), k_cache.data_ptr<float>(),
-                     v_cache.data_ptr<float>(), qc.data_ptr<float>(), out.data_ptr<float>(), slp, pp,
-                     hi, tbeg, tree, is_tree, N, H, Hkv, M, D, window, longest, widest);
-  else
-    write_and_attend(kc.data_ptr<float>(), vc.data_ptr<float>(),
-                     reinterpret_cast<uint16_t*>(k_cache.data_ptr()), reinterpret_cast<uint16_t*>(v_cache.data_ptr()),
-                     qc.data_ptr<float>(), out.data_ptr<float>(), slp, pp, hi, tbeg, tree, is_tree, N,
-                     H, Hkv, M, D, window, longest, widest);
+  attend_rows(plan, qc.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(), k_cache.data_ptr(),
+              v_cache.data_ptr(), bf16, out.data_ptr<float>(), H, Hkv, M, D, window);
   return out;
 }
 

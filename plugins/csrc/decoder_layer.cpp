@@ -1,47 +1,235 @@
-// One decoder layer of a decoding or verification forward (up to SKINNY_MAX_ROWS rows) as one
+// The decoder layers of a decoding or verification forward (up to SKINNY_MAX_ROWS rows) as one
 // op: the same kernels, in the same order, as angelspec/model.py's layer loop calls them one by
 // one (so the numbers are the same, bit for bit), without a trip through Python and the
-// dispatcher for each of them: at ~10 ms a step, those trips were a tenth of it.
+// dispatcher for each of them, and on raw rows (layer_rows.h) in buffers kept from call to call:
+// no tensor is made and no framework code runs between two kernels. The arguments are checked
+// once a call, the attention's plan (each row's keys) built once for every layer.
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <cstring>
 #include <vector>
 
-torch::Tensor skinny_linear(const torch::Tensor& x, const torch::Tensor& w);
-torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& w);
-torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
-                           const std::optional<torch::Tensor>& offset, int64_t bits);
-torch::Tensor quant_dot_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
-                               const std::optional<torch::Tensor>& offset, int64_t bits);
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
-void rope_(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
-           const torch::Tensor& positions, int64_t heads);
-torch::Tensor silu_mul(const torch::Tensor& gate_up);
-torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                               torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor& slots,
-                               const torch::Tensor& positions, const torch::Tensor& parents, int64_t window);
+#include "layer_rows.h"
+
+void check_skinny_weight(const torch::Tensor& w, int64_t in);
+void check_amx_weight(const torch::Tensor& w, int64_t in);
+int64_t check_quant_weight(const torch::Tensor& q, const torch::Tensor& scale,
+                           const std::optional<torch::Tensor>& offset, int64_t bits, int64_t in);
+void check_dot_weight(const torch::Tensor& q, const torch::Tensor& scale, const std::optional<torch::Tensor>& offset,
+                      int64_t bits, int64_t in);
+AttentionPlan plan_attention(const torch::Tensor& slots, const torch::Tensor& positions,
+                             const torch::Tensor& parents, int64_t N, int64_t S, int64_t M, int64_t window);
+bool check_caches(const torch::Tensor& k_cache, const torch::Tensor& v_cache, int64_t H, int64_t D);
 
 namespace {
-// y = x @ w.T (+ b) as plugins/linear.py's `linear` computes it for few rows; w and kind as its
-// `weight_args` gives them: 0 float32 [w], 1 bf16 packed [w], 2 weight-only quantized [q, scale
-// (, offset)], 3 the same with int8 activations.
-torch::Tensor matmul(const torch::Tensor& x, at::TensorList w, int64_t kind,
-                     const std::optional<torch::Tensor>& b) {
-  torch::Tensor y;
-  if (kind == 0) {
-    y = skinny_linear(x, w[0]);
-  } else if (kind == 1) {
-    y = amx_linear(x, w[0]);
-  } else {
-    TORCH_CHECK((kind == 2 || kind == 3) && (w.size() == 2 || w.size() == 3),
-                "decoder_layer: unknown weight kind ", kind, " with ", w.size(), " tensors");
-    const int64_t bits = w[0].scalar_type() == torch::kInt8 ? 8 : 4;
-    const std::optional<torch::Tensor> offset = w.size() == 3 ? std::optional<torch::Tensor>(w[2]) : std::nullopt;
-    y = kind == 3 ? quant_dot_linear(x, w[0], w[1], offset, bits) : quant_linear(x, w[0], w[1], offset, bits);
+// One matmul y = x @ w.T (+ b) as plugins/linear.py's `linear` computes it for few rows; w and
+// kind as its `weight_args` gives them: 0 float32 or bf16 rows [w], 1 bf16 packed for the tile
+// unit [w], 2 weight-only quantized [q, scale(, offset)], 3 the same with int8 activations.
+struct Matmul {
+  int64_t kind = 0, in = 0, out = 0, bits = 0, group = 0;
+  const void* w = nullptr;
+  const void* scale = nullptr;
+  const void* offset = nullptr;
+  const float* bias = nullptr;
+  bool bf16 = false;
+
+  Matmul(at::TensorList t, int64_t kind_, const std::optional<torch::Tensor>& b, int64_t in_) : kind(kind_), in(in_) {
+    TORCH_CHECK(!t.empty() && t.size() <= 3, "decoder_layer: 1 to 3 weight tensors a matmul, got ", t.size());
+    for (const auto& w : t)
+      TORCH_CHECK(w.is_contiguous(), "decoder_layer: weights must be contiguous (plugins.decoder_layer.prepare)");
+    out = t[0].size(0);
+    if (kind == 0) {
+      TORCH_CHECK(t.size() == 1, "decoder_layer: kind 0 takes one weight tensor");
+      check_skinny_weight(t[0], in);
+      bf16 = t[0].scalar_type() == torch::kBFloat16;
+    } else if (kind == 1) {
+      TORCH_CHECK(t.size() == 1, "decoder_layer: kind 1 takes one weight tensor");
+      check_amx_weight(t[0], in);
+    } else {
+      TORCH_CHECK(kind == 2 || kind == 3, "decoder_layer: unknown weight kind ", kind);
+      bits = t[0].scalar_type() == torch::kInt8 ? 8 : 4;
+      const std::optional<torch::Tensor> off = t.size() == 3 ? std::optional<torch::Tensor>(t[2]) : std::nullopt;
+      TORCH_CHECK(t.size() >= 2, "decoder_layer: a quantized weight comes as [q, scale(, offset)]");
+      if (kind == 2) group = check_quant_weight(t[0], t[1], off, bits, in);
+      else check_dot_weight(t[0], t[1], off, bits, in);
+      scale = t[1].data_ptr();
+      offset = off ? off->data_ptr() : nullptr;
+    }
+    w = t[0].data_ptr();
+    if (b) {
+      TORCH_CHECK(b->is_contiguous() && b->scalar_type() == torch::kFloat32 && b->numel() == out,
+                  "decoder_layer: a bias is float32 [", out, "], got ", b->scalar_type(), " ", b->sizes());
+      bias = b->data_ptr<float>();
+    }
   }
-  return b ? y + *b : y;
+
+  void operator()(const float* x, float* y, int64_t n) const {
+    if (kind == 0) {
+      skinny_linear_rows(x, w, bf16, y, n, in, out);
+    } else if (kind == 1) {
+      amx_linear_rows(x, static_cast<const uint16_t*>(w), y, n, in, out);
+    } else if (kind == 2) {
+      quant_linear_rows(x, static_cast<const uint8_t*>(w), static_cast<const float*>(scale),
+                        static_cast<const float*>(offset), y, n, in, out, group, bits);
+    } else {
+      quant_dot_linear_rows(x, static_cast<const uint8_t*>(w), static_cast<const uint16_t*>(scale),
+                            static_cast<const uint16_t*>(offset), y, n, in, out, bits);
+    }
+    if (bias)
+      for (int64_t r = 0; r < n; ++r)
+        for (int64_t i = 0; i < out; ++i) y[r * out + i] += bias[i];
+  }
+};
+
+struct Layer {
+  const float* in_norm;
+  const float* post_norm;
+  std::vector<Matmul> mm;  // qkv, o, gate_up, down
+};
+
+const float* norm_weight(const torch::Tensor& w, int64_t hidden) {
+  TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.is_contiguous() && w.numel() == hidden,
+              "decoder_layer: norm weights are float32 [", hidden, "], got ", w.scalar_type(), " ", w.sizes());
+  return w.data_ptr<float>();
+}
+
+// x + y, elementwise, into z (may be x or y): the float add of torch's `x + y`.
+void add_rows(const float* x, const float* y, float* z, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) z[i] = x[i] + y[i];
 }
 }  // namespace
 
+// Decoder layers whose weights are checked and taken apart once (plugins/decoder_layer.py's
+// prepare_stack makes one per model, `decoder_layer` one per call): `forward` runs a decoding or
+// verification forward through all of them. Holds the tensors its pointers point into.
+struct DecoderStack : torch::CustomClassHolder {
+  std::vector<torch::Tensor> keep;
+  std::vector<Layer> layers;
+  double eps;
+  int64_t hidden = 0, nq, nkv, D, inter = 0;
+
+  // The layers' arguments flattened, layer after layer: norms (in, post), weights (`counts[j]`
+  // tensors for matmul j), kinds and biases (qkv, o, gate_up, down); nq query heads and nkv kv
+  // heads of head_dim.
+  DecoderStack(std::vector<torch::Tensor> norms, double eps_, std::vector<torch::Tensor> weights,
+               std::vector<int64_t> counts, std::vector<int64_t> kinds,
+               std::vector<std::optional<torch::Tensor>> biases, int64_t nq_, int64_t nkv_, int64_t head_dim)
+      : eps(eps_), nq(nq_), nkv(nkv_), D(head_dim) {
+    const int64_t n = static_cast<int64_t>(norms.size()) / 2;
+    int64_t total = 0;
+    for (int64_t c : counts) total += c;
+    TORCH_CHECK(n > 0 && static_cast<int64_t>(norms.size()) == 2 * n && static_cast<int64_t>(counts.size()) == 4 * n &&
+                    static_cast<int64_t>(kinds.size()) == 4 * n && static_cast<int64_t>(biases.size()) == 4 * n &&
+                    total == static_cast<int64_t>(weights.size()),
+                "decoder_stack: expected 2 norms, 4 counts, 4 kinds and 4 biases a layer and counts summing to "
+                "the weights; got ", norms.size(), " norms, ", counts.size(), " counts, ", kinds.size(), " kinds, ",
+                biases.size(), " biases, ", weights.size(), " weights for counts summing to ", total);
+    TORCH_CHECK(nq > 0 && nkv > 0 && nq % nkv == 0 && D > 0, "decoder_layer: ", nq, " query heads for ", nkv,
+                " kv heads of ", D);
+    hidden = norms[0].numel();
+    keep = norms;
+    keep.insert(keep.end(), weights.begin(), weights.end());
+    const at::TensorList w(weights);
+    for (int64_t l = 0, at = 0; l < n; ++l) {
+      Layer L;
+      L.in_norm = norm_weight(norms[2 * l], hidden);
+      L.post_norm = norm_weight(norms[2 * l + 1], hidden);
+      for (int j = 0; j < 4; ++j) {
+        const int64_t in = j == 0 || j == 2 ? hidden : j == 1 ? nq * D : L.mm[2].out / 2;
+        L.mm.emplace_back(w.slice(at, counts[4 * l + j]), kinds[4 * l + j], biases[4 * l + j], in);
+        if (biases[4 * l + j]) keep.push_back(*biases[4 * l + j]);
+        at += counts[4 * l + j];
+      }
+      TORCH_CHECK(L.mm[0].out == (nq + 2 * nkv) * D && L.mm[1].out == hidden && L.mm[2].out % 2 == 0 &&
+                      L.mm[3].out == hidden && (l == 0 || L.mm[2].out == layers[0].mm[2].out),
+                  "decoder_layer: layer ", l + 1, "'s matmuls give ", L.mm[0].out, ", ", L.mm[1].out, ", ",
+                  L.mm[2].out, ", ", L.mm[3].out, " outputs for ", nq, " + 2 x ", nkv, " heads of ", D,
+                  " and hidden size ", hidden);
+      layers.push_back(std::move(L));
+    }
+    inter = layers[0].mm[2].out / 2;
+  }
+
+  // x [N, hidden] through every layer, writing this forward's keys and values into each layer's
+  // caches (cached_attention's arguments) -> the last layer's output, then the output of layer i
+  // (counted from 1) for each i in `capture`, in its order.
+  std::vector<torch::Tensor> forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                                     const torch::Tensor& rope_positions, at::TensorList k_caches,
+                                     at::TensorList v_caches, const torch::Tensor& slots,
+                                     const torch::Tensor& positions, const torch::Tensor& parents, int64_t window,
+                                     at::IntArrayRef capture) const {
+    const int64_t count = static_cast<int64_t>(layers.size());
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.size(1) == hidden,
+                "decoder_layer: x float32 [N, ", hidden, "] expected, got ", x.scalar_type(), " ", x.sizes());
+    TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == count && static_cast<int64_t>(v_caches.size()) == count,
+                "decoder_stack: a key and a value cache for each of ", count, " layers, got ", k_caches.size(),
+                " and ", v_caches.size());
+    const int64_t n = x.size(0);
+    const bool bf16 = check_caches(k_caches[0], v_caches[0], nq, D);
+    const int64_t S = v_caches[0].size(0), M = v_caches[0].size(2);
+    TORCH_CHECK(v_caches[0].size(1) == nkv, "decoder_layer: caches of ", v_caches[0].size(1), " kv heads for ", nkv);
+    std::vector<void*> kc(count), vc(count);
+    for (int64_t l = 0; l < count; ++l) {
+      TORCH_CHECK(check_caches(k_caches[l], v_caches[l], nq, D) == bf16 && v_caches[l].sizes() == v_caches[0].sizes(),
+                  "decoder_stack: every layer's caches alike ", v_caches[0].sizes(), ", layer ", l + 1, "'s are ",
+                  v_caches[l].sizes());
+      kc[l] = k_caches[l].data_ptr();
+      vc[l] = v_caches[l].data_ptr();
+    }
+    TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 && cos.dim() == 2 &&
+                    cos.sizes() == sin.sizes() && cos.size(1) == D && cos.is_contiguous() && sin.is_contiguous(),
+                "decoder_layer: cos and sin tables float32 [max_len, ", D, "] expected, got ", cos.sizes());
+    auto rp = rope_positions.to(torch::kLong).contiguous();
+    TORCH_CHECK(rp.numel() == n, "decoder_layer: one RoPE position per row");
+    const int64_t* rpp = rp.data_ptr<int64_t>();
+    for (int64_t r = 0; r < n; ++r)
+      TORCH_CHECK(rpp[r] >= 0 && rpp[r] < cos.size(0), "rope_: position ", rpp[r], " outside the table");
+    for (int64_t c : capture)
+      TORCH_CHECK(c >= 1 && c <= count, "decoder_stack: capture names layer ", c, ", not one of 1..", count);
+    const AttentionPlan plan = plan_attention(slots, positions, parents, n, S, M, window);
+
+    std::vector<torch::Tensor> out(1 + capture.size());
+    out[0] = x.contiguous().clone();
+    float* xp = out[0].data_ptr<float>();
+    const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+    // the calling thread's buffers, kept from call to call
+    const int64_t heads = nq + 2 * nkv;
+    const int64_t sizes[] = {n * hidden, n * heads * D, n * nq * D, n * nkv * D, n * nkv * D, n * nq * D,
+                             n * hidden, n * 2 * inter, n * inter};
+    int64_t total = 0;
+    for (int64_t size : sizes) total += size;
+    thread_local std::vector<float> buf;
+    if (static_cast<int64_t>(buf.size()) < total) buf.resize(total);
+    float *h = buf.data(), *qkv = h + sizes[0], *q = qkv + sizes[1], *k = q + sizes[2], *v = k + sizes[3],
+          *attn = v + sizes[4], *mid = attn + sizes[5], *up = mid + sizes[6], *act = up + sizes[7];
+    for (int64_t l = 0; l < count; ++l) {
+      const Layer& L = layers[l];
+      rms_norm_rows(xp, L.in_norm, h, n, hidden, eps);
+      L.mm[0](h, qkv, n);
+      rope_rows(qkv, cp, sp, rpp, n, heads, D, nq + nkv);
+      for (int64_t r = 0; r < n; ++r) {  // q, k, v apart, each [n, its heads, D]
+        const float* row = qkv + r * heads * D;
+        std::memcpy(q + r * nq * D, row, nq * D * sizeof(float));
+        std::memcpy(k + r * nkv * D, row + nq * D, nkv * D * sizeof(float));
+        std::memcpy(v + r * nkv * D, row + (nq + nkv) * D, nkv * D * sizeof(float));
+      }
+      attend_rows(plan, q, k, v, kc[l], vc[l], bf16, attn, nq, nkv, M, D, window);
+      L.mm[1](attn, mid, n);
+      add_rows(xp, mid, mid, n * hidden);
+      rms_norm_rows(mid, L.post_norm, h, n, hidden, eps);
+      L.mm[2](h, up, n);
+      silu_mul_rows(up, act, n, inter);
+      L.mm[3](act, xp, n);
+      add_rows(mid, xp, xp, n * hidden);
+      for (size_t c = 0; c < capture.size(); ++c)
+        if (capture[c] == l + 1) out[1 + c] = out[0].clone();
+    }
+    return out;
+  }
+};
+
+// One decoder layer (a draft's: plugins/decoder_layer.py's `prepare` gives its weights).
 torch::Tensor decoder_layer(const torch::Tensor& x, const torch::Tensor& in_norm,
                             const torch::Tensor& post_norm, double eps, at::TensorList qkv,
                             at::TensorList o, at::TensorList gate_up, at::TensorList down,
@@ -54,63 +242,16 @@ torch::Tensor decoder_layer(const torch::Tensor& x, const torch::Tensor& in_norm
                             const torch::Tensor& slots, const torch::Tensor& positions,
                             const torch::Tensor& parents, int64_t window) {
   TORCH_CHECK(kinds.size() == 4, "decoder_layer: one weight kind per matmul (qkv, o, gate_up, down)");
-  TORCH_CHECK(x.dim() == 2, "decoder_layer: x [N, hidden] expected");
-  auto h = matmul(rms_norm(x, in_norm, eps), qkv, kinds[0], qkv_b);
-  h = h.view({h.size(0), nq + 2 * nkv, -1});
-  rope_(h, cos, sin, rope_positions, nq + nkv);
-  auto parts = h.split_with_sizes({nq, nkv, nkv}, 1);
-  auto attn = cached_attention(parts[0], parts[1], parts[2], k_cache, v_cache, slots, positions, parents, window);
-  auto mid = x + matmul(attn.view({attn.size(0), -1}), o, kinds[1], o_b);
-  auto up = matmul(rms_norm(mid, post_norm, eps), gate_up, kinds[2], gate_up_b);
-  return mid + matmul(silu_mul(up), down, kinds[3], down_b);
-}
-
-// Every layer of a decoding or verification forward in one call: decoder_layer layer after layer,
-// without a trip through Python and the dispatcher between them (~7 us a layer on a 2-core
-// CPU, a few percent of a one-token step with 4-bit weights). The layers' arguments come
-// flattened, layer after layer: norms (in, post), weights (`counts[j]` tensors for matmul j),
-// kinds and biases (qkv, o, gate_up, down), one key and one value cache per layer. Returns the
-// last layer's output, then the output of layer i (counted from 1) for each i in `capture`, in
-// its order.
-std::vector<torch::Tensor> decoder_stack(const torch::Tensor& x, at::TensorList norms, double eps,
-                                         at::TensorList weights, at::IntArrayRef counts,
-                                         at::IntArrayRef kinds,
-                                         const c10::List<std::optional<torch::Tensor>>& biases,
-                                         const torch::Tensor& cos, const torch::Tensor& sin,
-                                         const torch::Tensor& rope_positions, int64_t nq, int64_t nkv,
-                                         at::TensorList k_caches, at::TensorList v_caches,
-                                         const torch::Tensor& slots, const torch::Tensor& positions,
-                                         const torch::Tensor& parents, int64_t window,
-                                         at::IntArrayRef capture) {
-  const int64_t layers = static_cast<int64_t>(k_caches.size());
-  int64_t total = 0;
-  for (int64_t c : counts) total += c;
-  TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * layers && static_cast<int64_t>(v_caches.size()) == layers &&
-                  static_cast<int64_t>(counts.size()) == 4 * layers && static_cast<int64_t>(kinds.size()) == 4 * layers &&
-                  static_cast<int64_t>(biases.size()) == 4 * layers && total == static_cast<int64_t>(weights.size()),
-              "decoder_stack: for ", layers, " layers (key caches) expected 2 norms, 4 counts, 4 kinds and 4 "
-              "biases a layer, a value cache each and counts summing to the weights; got ", norms.size(),
-              " norms, ", v_caches.size(), " value caches, ", counts.size(), " counts, ", kinds.size(),
-              " kinds, ", biases.size(), " biases, ", weights.size(), " weights for counts summing to ", total);
-  std::vector<torch::Tensor> out(1 + capture.size());
-  std::vector<std::optional<torch::Tensor>> b(biases.begin(), biases.end());
-  torch::Tensor h = x;
-  for (int64_t l = 0, w = 0; l < layers; ++l) {
-    at::TensorList mats[4];
-    for (int j = 0; j < 4; ++j) {
-      mats[j] = weights.slice(w, counts[4 * l + j]);
-      w += counts[4 * l + j];
-    }
-    h = decoder_layer(h, norms[2 * l], norms[2 * l + 1], eps, mats[0], mats[1], mats[2], mats[3],
-                      kinds.slice(4 * l, 4), b[4 * l], b[4 * l + 1], b[4 * l + 2], b[4 * l + 3], cos, sin,
-                      rope_positions, nq, nkv, k_caches[l], v_caches[l], slots, positions, parents, window);
-    for (size_t c = 0; c < capture.size(); ++c)
-      if (capture[c] == l + 1) out[1 + c] = h;
+  std::vector<torch::Tensor> weights;
+  std::vector<int64_t> counts;
+  for (at::TensorList m : {qkv, o, gate_up, down}) {
+    weights.insert(weights.end(), m.begin(), m.end());
+    counts.push_back(static_cast<int64_t>(m.size()));
   }
-  for (size_t c = 0; c < capture.size(); ++c)
-    TORCH_CHECK(out[1 + c].defined(), "decoder_stack: capture names layer ", capture[c], ", not one of 1..", layers);
-  out[0] = h;
-  return out;
+  const int64_t D = v_cache.dim() == 4 ? v_cache.size(3) : -1;
+  const DecoderStack layer({in_norm, post_norm}, eps, weights, counts, kinds.vec(), {qkv_b, o_b, gate_up_b, down_b},
+                           nq, nkv, D);
+  return layer.forward(x, cos, sin, rope_positions, {k_cache}, {v_cache}, slots, positions, parents, window, {})[0];
 }
 
 TORCH_LIBRARY_FRAGMENT(angelspec, m) {
@@ -119,12 +260,11 @@ TORCH_LIBRARY_FRAGMENT(angelspec, m) {
         "Tensor? gate_up_b, Tensor? down_b, Tensor cos, Tensor sin, Tensor rope_positions, int nq, "
         "int nkv, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor positions, "
         "Tensor parents, int window) -> Tensor");
-  m.def("decoder_stack(Tensor x, Tensor[] norms, float eps, Tensor[] weights, int[] counts, int[] kinds, "
-        "Tensor?[] biases, Tensor cos, Tensor sin, Tensor rope_positions, int nq, int nkv, "
-        "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slots, Tensor positions, Tensor parents, "
-        "int window, int[] capture) -> Tensor[]");
+  m.class_<DecoderStack>("DecoderStack")
+      .def(torch::init<std::vector<torch::Tensor>, double, std::vector<torch::Tensor>, std::vector<int64_t>,
+                       std::vector<int64_t>, std::vector<std::optional<torch::Tensor>>, int64_t, int64_t, int64_t>())
+      .def("forward", &DecoderStack::forward);
 }
 TORCH_LIBRARY_IMPL(angelspec, CPU, m) {
   m.impl("decoder_layer", &decoder_layer);
-  m.impl("decoder_stack", &decoder_stack);
 }

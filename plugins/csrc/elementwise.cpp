@@ -4,20 +4,13 @@
 #include <ATen/Parallel.h>
 #include <cmath>
 
+#include "layer_rows.h"
 #include "vec_exp.h"
 
 // x [N, h], w [h] -> x / sqrt(mean(x^2) + eps) * w, row by row (double accumulation in 16
 // lanes, lane l summing i = l mod 16 in order, then a fixed reduction and the tail in order: a
 // row's result depends on h only; one scalar chain of 576 dependent adds cost ~1 us a row).
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && w.dtype() == torch::kFloat32, "rms_norm: float32 expected");
-  auto xc = x.contiguous();
-  const int64_t h = xc.size(-1), n = xc.numel() / h;
-  TORCH_CHECK(w.numel() == h, "rms_norm: weight size ", w.numel(), " != hidden size ", h);
-  auto y = torch::empty_like(xc);
-  const float* xp = xc.data_ptr<float>();
-  const float* wp = w.contiguous().data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+void rms_norm_rows(const float* xp, const float* wp, float* yp, int64_t n, int64_t h, double eps) {
   at::parallel_for(0, n, 64, [&](int64_t a, int64_t b) {
     for (int64_t r = a; r < b; ++r) {
       const float* xr = xp + r * h;
@@ -38,23 +31,24 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
       for (int64_t i = 0; i < h; ++i) yp[r * h + i] = xr[i] * inv * wp[i];
     }
   });
+}
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && w.dtype() == torch::kFloat32, "rms_norm: float32 expected");
+  auto xc = x.contiguous();
+  const int64_t h = xc.size(-1), n = xc.numel() / h;
+  TORCH_CHECK(w.numel() == h, "rms_norm: weight size ", w.numel(), " != hidden size ", h);
+  auto y = torch::empty_like(xc);
+  rms_norm_rows(xc.data_ptr<float>(), w.contiguous().data_ptr<float>(), y.data_ptr<float>(), n, h, eps);
   return y;
 }
 
 // In place on the first `heads` heads of x [N, all_heads, D] (q and k of a fused qkv): rotate-half
 // RoPE with cos/sin tables [max_len, D] at positions [N].
-void rope_(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
-           const torch::Tensor& positions, int64_t heads) {
-  TORCH_CHECK(x.is_contiguous() && x.dim() == 3, "rope_: contiguous [N, heads, D] expected");
-  const int64_t n = x.size(0), all = x.size(1), d = x.size(2), half = d / 2;
-  TORCH_CHECK(heads <= all && cos.size(1) == d, "rope_: shapes disagree");
-  auto pos = positions.to(torch::kLong).contiguous();
-  const int64_t* pp = pos.data_ptr<int64_t>();
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
-  float* xp = x.data_ptr<float>();
+void rope_rows(float* xp, const float* cp, const float* sp, const int64_t* pp, int64_t n, int64_t all,
+               int64_t d, int64_t heads) {
+  const int64_t half = d / 2;
   for (int64_t r = 0; r < n; ++r) {
-    TORCH_CHECK(pp[r] >= 0 && pp[r] < cos.size(0), "rope_: position ", pp[r], " outside the table");
     const float* c = cp + pp[r] * d;
     const float* s = sp + pp[r] * d;
     for (int64_t hh = 0; hh < heads; ++hh) {
@@ -68,16 +62,21 @@ void rope_(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
   }
 }
 
+void rope_(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
+           const torch::Tensor& positions, int64_t heads) {
+  TORCH_CHECK(x.is_contiguous() && x.dim() == 3, "rope_: contiguous [N, heads, D] expected");
+  const int64_t n = x.size(0), all = x.size(1), d = x.size(2);
+  TORCH_CHECK(heads <= all && cos.size(1) == d, "rope_: shapes disagree");
+  auto pos = positions.to(torch::kLong).contiguous();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  for (int64_t r = 0; r < n; ++r)
+    TORCH_CHECK(pp[r] >= 0 && pp[r] < cos.size(0), "rope_: position ", pp[r], " outside the table");
+  rope_rows(x.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), pp, n, all, d, heads);
+}
+
 // gate_up [N, 2m] -> silu(gate) * up [N, m]
-torch::Tensor silu_mul(const torch::Tensor& gate_up) {
-  auto g = gate_up.contiguous();
-  const int64_t m2 = g.size(-1), m = m2 / 2, n = g.numel() / m2;
-  auto sizes = g.sizes().vec();
-  sizes.back() = m;
-  auto y = torch::empty(sizes, g.options());
-  const float* gp = g.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const int64_t m8 = m & ~int64_t(7);
+void silu_mul_rows(const float* gp, float* yp, int64_t n, int64_t m) {
+  const int64_t m2 = 2 * m, m8 = m & ~int64_t(7);
   const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
   at::parallel_for(0, n * m8 / 8, 256, [&](int64_t a, int64_t b) {
     for (int64_t c = a; c < b; ++c) {
@@ -92,6 +91,15 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
       const float x = gp[r * m2 + i];
       yp[r * m + i] = x / (1.0f + std::exp(-x)) * gp[r * m2 + m + i];
     }
+}
+
+torch::Tensor silu_mul(const torch::Tensor& gate_up) {
+  auto g = gate_up.contiguous();
+  const int64_t m2 = g.size(-1), m = m2 / 2, n = g.numel() / m2;
+  auto sizes = g.sizes().vec();
+  sizes.back() = m;
+  auto y = torch::empty(sizes, g.options());
+  silu_mul_rows(g.data_ptr<float>(), y.data_ptr<float>(), n, m);
   return y;
 }
 

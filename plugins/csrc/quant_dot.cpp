@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "dot_tile.h"
+#include "layer_rows.h"
 #include "vec.h"
 
 DotTiles dot_tiles_vnni_for(int64_t bits);
@@ -31,33 +32,8 @@ bool use_vnni() {
 int64_t amx_rows(int64_t bits) { return bits == 8 ? 8 : 16; }
 }  // namespace
 
-// x float32 [n, in]; q int8 [out, in] (bits 8) or uint8 [out, in / 2] (bits 4), tiled; scale
-// float16 [out, in / 32], tiled; offset (bits 4 only, required) like scale. out a multiple of 16.
-torch::Tensor quant_dot_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
-                               const std::optional<torch::Tensor>& offset, int64_t bits) {
-  TORCH_CHECK(bits == 8 || bits == 4, "quant_dot_linear: bits must be 8 or 4, got ", bits);
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "quant_dot_linear: x float32 [n, in] expected");
-  TORCH_CHECK(q.dim() == 2 && q.dtype() == (bits == 8 ? torch::kInt8 : torch::kUInt8),
-              "quant_dot_linear: q ", bits == 8 ? "int8 [out, in]" : "uint8 [out, in / 2]",
-              " expected for ", bits, " bits");
-  TORCH_CHECK((bits == 4) == offset.has_value(), "quant_dot_linear: an offset goes with 4 bits, and only");
-  const int64_t n = x.size(0), in = x.size(1), out = q.size(0);
-  TORCH_CHECK(q.size(1) * (bits == 8 ? 1 : 2) == in && in % kBlock == 0, "quant_dot_linear: q ",
-              q.sizes(), " does not match x ", x.sizes(), " (rows of a multiple of 32 weights)");
-  TORCH_CHECK(out % kTile == 0, "quant_dot_linear: weights come in tiles of 16 rows, got ", out, " rows");
-  TORCH_CHECK(scale.dtype() == torch::kFloat16 && scale.dim() == 2 && scale.size(0) == out &&
-                  scale.size(1) == in / kBlock,
-              "quant_dot_linear: scale must be float16 [out, in / 32], got ", scale.dtype(), " ", scale.sizes());
-  torch::Tensor oc;
-  if (offset) {
-    TORCH_CHECK(offset->sizes() == scale.sizes() && offset->dtype() == torch::kFloat16,
-                "quant_dot_linear: offset must be float16 like scale ", scale.sizes());
-    oc = offset->contiguous();
-  }
-  auto xc = x.contiguous();
-  auto qc = q.contiguous();
-  auto sc = scale.contiguous();
-  auto y = torch::empty({n, out}, xc.options());
+void quant_dot_linear_rows(const float* xp, const uint8_t* qp, const uint16_t* sp, const uint16_t* op,
+                           float* yp, int64_t n, int64_t in, int64_t out, int64_t bits) {
   // x's int8 levels and scales: scratch of the calling thread, reused from call to call; the
   // tile kernel reads whole blocks of 16 rows, so it gets zero rows up to a multiple of 16
   const bool tiles = n >= amx_rows(bits) && use_vnni() && amx_int8_available();
@@ -74,17 +50,51 @@ torch::Tensor quant_dot_linear(const torch::Tensor& x, const torch::Tensor& q, c
   std::fill(xqp + n * in, xqp + rows * in, 0);
   std::fill(dp + n * blocks, dp + rows * blocks, 0.0f);
   std::fill(dsp + n * blocks, dsp + rows * blocks, 0.0f);
-  const float* xp = xc.data_ptr<float>();
-  const uint8_t* qp = static_cast<const uint8_t*>(qc.data_ptr());
-  const uint16_t* sp = static_cast<const uint16_t*>(sc.data_ptr());
-  const uint16_t* op = offset ? static_cast<const uint16_t*>(oc.data_ptr()) : nullptr;
-  float* yp = y.data_ptr<float>();
   at::parallel_for(0, n, 64, [&](int64_t r0, int64_t r1) {
     quantize_rows(xp + r0 * in, r1 - r0, in, xqp + r0 * in, dp + r0 * blocks, dsp + r0 * blocks);
   });
   at::parallel_for(0, out / kTile, 4, [&](int64_t t0, int64_t t1) {
     fn(xqp, dp, dsp, qp, sp, op, yp, n, in, out, t0, t1);
   });
+}
+
+// q, scale, offset and bits as quant_dot_linear takes them, for x of `in` columns.
+void check_dot_weight(const torch::Tensor& q, const torch::Tensor& scale, const std::optional<torch::Tensor>& offset,
+                      int64_t bits, int64_t in) {
+  TORCH_CHECK(bits == 8 || bits == 4, "quant_dot_linear: bits must be 8 or 4, got ", bits);
+  TORCH_CHECK(q.dim() == 2 && q.dtype() == (bits == 8 ? torch::kInt8 : torch::kUInt8),
+              "quant_dot_linear: q ", bits == 8 ? "int8 [out, in]" : "uint8 [out, in / 2]",
+              " expected for ", bits, " bits");
+  TORCH_CHECK((bits == 4) == offset.has_value(), "quant_dot_linear: an offset goes with 4 bits, and only");
+  const int64_t out = q.size(0);
+  TORCH_CHECK(q.size(1) * (bits == 8 ? 1 : 2) == in && in % kBlock == 0, "quant_dot_linear: q ",
+              q.sizes(), " does not match x's ", in, " columns (rows of a multiple of 32 weights)");
+  TORCH_CHECK(out % kTile == 0, "quant_dot_linear: weights come in tiles of 16 rows, got ", out, " rows");
+  TORCH_CHECK(scale.dtype() == torch::kFloat16 && scale.dim() == 2 && scale.size(0) == out &&
+                  scale.size(1) == in / kBlock,
+              "quant_dot_linear: scale must be float16 [out, in / 32], got ", scale.dtype(), " ", scale.sizes());
+  if (offset)
+    TORCH_CHECK(offset->sizes() == scale.sizes() && offset->dtype() == torch::kFloat16,
+                "quant_dot_linear: offset must be float16 like scale ", scale.sizes());
+}
+
+// x float32 [n, in]; q int8 [out, in] (bits 8) or uint8 [out, in / 2] (bits 4), tiled; scale
+// float16 [out, in / 32], tiled; offset (bits 4 only, required) like scale. out a multiple of 16.
+torch::Tensor quant_dot_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
+                               const std::optional<torch::Tensor>& offset, int64_t bits) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "quant_dot_linear: x float32 [n, in] expected");
+  check_dot_weight(q, scale, offset, bits, x.size(1));
+  const int64_t n = x.size(0), in = x.size(1), out = q.size(0);
+  torch::Tensor oc;
+  if (offset) oc = offset->contiguous();
+  auto xc = x.contiguous();
+  auto qc = q.contiguous();
+  auto sc = scale.contiguous();
+  auto y = torch::empty({n, out}, xc.options());
+  quant_dot_linear_rows(xc.data_ptr<float>(), static_cast<const uint8_t*>(qc.data_ptr()),
+                        static_cast<const uint16_t*>(sc.data_ptr()),
+                        offset ? static_cast<const uint16_t*>(oc.data_ptr()) : nullptr, y.data_ptr<float>(), n, in,
+                        out, bits);
   return y;
 }
 

@@ -8,6 +8,7 @@
 // (skinny_tile.h), so a row's result does not depend on how many other rows share the call.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include "layer_rows.h"
 #include "vec.h"
 #include "skinny_tile.h"
 
@@ -45,22 +46,31 @@ void run(const float* x, const W* w, float* y, int64_t n, int64_t in, int64_t ou
 
 }  // namespace
 
+void skinny_linear_rows(const float* x, const void* w, bool bf16, float* y, int64_t n, int64_t in, int64_t out) {
+  if (bf16)
+    run(x, static_cast<const uint16_t*>(w), y, n, in, out, &skinny_blocks_bf16_avx2, &skinny_blocks_bf16_avx512);
+  else
+    run(x, static_cast<const float*>(w), y, n, in, out, &skinny_blocks_avx2, &skinny_blocks_avx512);
+}
+
+// w as skinny_linear takes it, for x of `in` columns.
+void check_skinny_weight(const torch::Tensor& w, int64_t in) {
+  TORCH_CHECK(w.dtype() == torch::kFloat32 || w.dtype() == torch::kBFloat16,
+              "skinny_linear: float32 or bfloat16 w expected, got ", w.dtype());
+  TORCH_CHECK(w.dim() == 2 && w.size(1) == in, "skinny_linear: w [out, in] expected for x of ", in,
+              " columns, got ", w.sizes());
+}
+
 torch::Tensor skinny_linear(const torch::Tensor& x, const torch::Tensor& w) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && (w.dtype() == torch::kFloat32 || w.dtype() == torch::kBFloat16),
-              "skinny_linear: float32 x and float32 or bfloat16 w expected, got ", x.dtype(), " and ", w.dtype());
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
-              "skinny_linear: x [n, in] and w [out, in] expected, got ", x.sizes(), " and ", w.sizes());
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "skinny_linear: float32 x [n, in] expected, got ",
+              x.dtype(), " ", x.sizes());
+  check_skinny_weight(w, x.size(1));
   auto xc = x.contiguous();
   auto wc = w.contiguous();
   const int64_t n = xc.size(0), in = xc.size(1), out = wc.size(0);
   auto y = torch::empty({n, out}, xc.options());
-  const float* xp = xc.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  if (wc.dtype() == torch::kBFloat16)
-    run(xp, static_cast<const uint16_t*>(wc.data_ptr()), yp, n, in, out, &skinny_blocks_bf16_avx2,
-        &skinny_blocks_bf16_avx512);
-  else
-    run(xp, wc.data_ptr<float>(), yp, n, in, out, &skinny_blocks_avx2, &skinny_blocks_avx512);
+  skinny_linear_rows(xc.data_ptr<float>(), wc.data_ptr(), wc.dtype() == torch::kBFloat16, y.data_ptr<float>(), n,
+                     in, out);
   return y;
 }
 
