@@ -195,7 +195,7 @@ class Llama:
         self.weights = "float32"  # the matmul weights (pack_bf16: "bfloat16"; quantize: SCHEMES)
         self.backend = "eager"  # how forward runs (runtime/backend.py: use_backend)
         self.compiled = None  # the compiled forward of a compiled backend
-        self.fused = True  # decoding forwards run every layer in one op (plugins.decoder_layer)
+        self.fused = True  # decoding forwards run every layer in one call (plugins.decoder_layer)
         self.kv_dtype = torch.float32  # the KV cache's values (KV_CACHES; new_cache)
         self._prepared = None  # the layers as decoder_stack takes them (prepare_stack), built at first use
         self.norm = get("model.norm.weight")
