@@ -1,8 +1,8 @@
 // The w8a8 / w4a8 integer dot kernel (dot_tile.h) for CPUs with AVX512-VNNI: a whole tile of 16
 // outputs per 512-bit vector, vpdpbusd summing 4 inputs times 16 outputs in one instruction, up
-// to 8 rows of x per pass over the tile's weights (one row: two tiles at a time). The integers are the same as the AVX2
-// kernel's, and so are the float steps after them (elementwise, one output per lane): the same
-// numbers. Like avx512.cpp, it includes no torch or standard C++ headers (see there).
+// to 8 rows of x per pass over the tile's weights (one row: two tiles at a time). The integers
+// are the same as the AVX2 kernel's, and so are the float steps after them (elementwise, one
+// output per lane): the same numbers. Like avx512.cpp, it includes no torch or standard C++ headers (see there).
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
 #include <immintrin.h>
 #include <stdint.h>
