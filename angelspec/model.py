@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from angelspec import DEFAULT_MAX_LEN
+from angelspec.pages import on_huge_pages
 from angelspec.plugins import (
     SKINNY_MAX_ROWS,
     cached_attention,
@@ -165,8 +166,10 @@ class Batch:
     trees, each token's parent row), built once and shared by all layers."""
 
     def __init__(self, segments: list[Segment]):
-        self.positions = torch.cat([torch.arange(s.start, s.start + s.length) for s in segments])
-        self.slots = torch.cat([torch.full((s.length,), s.slot) for s in segments])
+        # one tensor from a list each (a decoding step's batch is a few rows: each torch call is
+        # tens of microseconds once a forward has streamed the weights through the caches)
+        self.positions = torch.tensor([p for s in segments for p in range(s.start, s.start + s.length)])
+        self.slots = torch.tensor([s.slot for s in segments for _ in range(s.length)])
         self.kv_len = max(s.start + s.length for s in segments)
         self.parents = None
         self.rope_positions = self.positions
@@ -284,13 +287,25 @@ class Llama:
 
     def serve(self, weights: str) -> None:
         """Serve the matmuls as `weights` says: float32 (as loaded), bfloat16 (pack_bf16), int8 /
-        int4 / w8a8 / w4a8 (quantize)."""
+        int4 / w8a8 / w4a8 (quantize). Converted weights are then copied, in the order a forward
+        reads them, into one buffer on huge pages (angelspec.pages); float32 ones stay as loaded."""
+        if weights == "float32":
+            if self.weights != "float32":
+                raise ValueError(f"this model serves {self.weights} weights: load it again for float32")
+            return
+        if weights == self.weights:
+            return
         if weights == "bfloat16":
             self.pack_bf16()
-        elif weights != "float32":
+        else:
             self.quantize(weights)
-        elif self.weights != "float32":
-            raise ValueError(f"this model serves {self.weights} weights: load it again for float32")
+        order = [(layer, k) for layer in self.layers for k in
+                 ("in_norm", "qkv", "qkv_b", "o", "o_b", "post_norm", "gate_up", "gate_up_b", "down", "down_b")]
+        moved = on_huge_pages([layer[k] for layer, k in order] + [self.norm, self.head_w])
+        for (layer, k), w in zip(order, moved):
+            layer[k] = w
+        self.norm, self.head_w = moved[-2:]
+        self._prepared = None
 
     def served_as(self, weights: str) -> "Llama":
         """This float32 model serving `weights` (serve), sharing every other tensor; this one is

@@ -27,6 +27,7 @@ from angelspec.bench.gguf import FORMATS, write_gguf
 from angelspec.checkpoint import Target, load_target
 from angelspec.default_target import gguf_folder
 from angelspec.model import Segment
+from angelspec.pages import zeros_on_huge_pages
 from angelspec.runtime import Engine, Request, SamplingParams, settle_heap
 from angelspec.runtime.cost import cpu_flags, cpu_model, profile
 from angelspec.runtime.engine_dir import load_engine
@@ -34,9 +35,14 @@ from angelspec.runtime.engine_dir import load_engine
 NEAR_TIE_EPS = 1e-4
 
 
-def stream_bandwidth(mb: int = 1024, reps: int = 3, buf: torch.Tensor | None = None) -> float:
-    """Machine's streaming read bandwidth in GB/s (best of `reps` sums over an `mb` MB buffer)."""
-    buf = torch.ones(mb * 2**20 // 4) if buf is None else buf
+def stream_buffer(mb: int = 1024) -> torch.Tensor:
+    """float32 ones to stream, on huge pages as the served weights are (angelspec.pages), where
+    reads run faster."""
+    return zeros_on_huge_pages([((mb * 2**20 // 4,), torch.float32)])[0].fill_(1.0)
+
+
+def stream_bandwidth(buf: torch.Tensor, reps: int = 3) -> float:
+    """Machine's streaming read bandwidth in GB/s (best of `reps` sums over `buf`)."""
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -363,7 +369,7 @@ def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_t
     settle_heap()
     # the bandwidth reference is sampled before every batch, under the same conditions as the
     # decoding it is compared with (this machine's speed drifts), and its median is reported
-    stream_buf, samples = torch.ones(2**28), []
+    stream_buf, samples = stream_buffer(), []
     outside = {"hf": HFRunner, "llamacpp": LlamaCppRunner,
                "float32": lambda t: Float32Runner(t, batch_size, max_len)}
     outside = {d: outside[d](target) for d in names if d in REFERENCES}

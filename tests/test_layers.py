@@ -17,6 +17,7 @@ LAYERS = [
     "angelspec.drafters",
     "angelspec.checkpoint : angelspec.default_target : angelspec.sampling : angelspec.prompts : angelspec.text",
     "angelspec.model",
+    "angelspec.pages",
     "angelspec.plugins",
 ]
 

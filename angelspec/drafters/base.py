@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+_NO_TOKENS, _NO_CONFIDENCE = torch.zeros(0, dtype=torch.long), torch.zeros(0)
+
 
 @dataclass
 class Proposal:
@@ -24,7 +26,7 @@ class Proposal:
 
     @staticmethod
     def empty() -> "Proposal":
-        return Proposal(torch.zeros(0, dtype=torch.long), torch.zeros(0))
+        return Proposal(_NO_TOKENS, _NO_CONFIDENCE)  # shared: nothing can be written into them
 
     @staticmethod
     def tree(paths: list[tuple[list[int], list[float]]]) -> "Proposal":

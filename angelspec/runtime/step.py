@@ -41,7 +41,8 @@ def speculative_step(engine, active: list[RequestState]) -> Committed:
     props = cut(engine, props, names, t_draft, hooks.t_fixed(len(active)))
     book = bookkeeping(names, time.perf_counter() - t0)
     # 3. verify: one forward over every request's [anchor + kept drafts] (chains or trees), packed
-    tokens = torch.cat([t for s, p in zip(active, props) for t in (torch.tensor([s.tokens[-1]]), p.tokens)])
+    tokens = torch.tensor([t for s, p in zip(active, props)
+                           for t in (s.tokens[-1], *(p.tokens.tolist() if len(p.tokens) else ()))])
     segments = [Segment(s.slot, s.cache_len, 1 + len(p.tokens),
                         None if p.parents is None else torch.cat([torch.tensor([-1]), p.parents + 1]))
                 for s, p in zip(active, props)]

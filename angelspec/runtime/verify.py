@@ -45,7 +45,7 @@ def verify_batch(logits: torch.Tensor, props: list[Proposal], params: list,
             continue
         part = logits if len(group) == len(props) else logits[torch.cat(
             [torch.arange(starts[i], starts[i + 1]) for i in group])]
-        draft = torch.cat([props[i].tokens for i in group])
+        draft = props[group[0]].tokens if len(group) == 1 else torch.cat([props[i].tokens for i in group])
         parents = CHAIN if all(props[i].parents is None for i in group) else torch.cat(
             [props[i].parent_index() for i in group])
         lens = torch.tensor([lengths[i] for i in group])
