@@ -65,3 +65,16 @@ def on_huge_pages(weights: list) -> list:
             out.append(dataclasses.replace(w, **{f.name: next(copies) for f in dataclasses.fields(w)
                                                  if isinstance(getattr(w, f.name), torch.Tensor)}))
     return out
+
+
+def huge_page_mb() -> float | None:
+    """MB of this process's memory on huge pages (Linux's AnonHugePages; None where unknown): about
+    the served weights' bytes when the system grants them, 0 when it does not."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("AnonHugePages:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None

@@ -27,7 +27,7 @@ from angelspec.bench.gguf import FORMATS, write_gguf
 from angelspec.checkpoint import Target, load_target
 from angelspec.default_target import gguf_folder
 from angelspec.model import Segment
-from angelspec.pages import zeros_on_huge_pages
+from angelspec.pages import huge_page_mb, zeros_on_huge_pages
 from angelspec.runtime import Engine, Request, SamplingParams, settle_heap
 from angelspec.runtime.cost import cpu_flags, cpu_model, profile
 from angelspec.runtime.engine_dir import load_engine
@@ -395,6 +395,7 @@ def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_t
         ref = ref_run.outputs
     bandwidth = statistics.median(samples)
     del stream_buf
+    huge = huge_page_mb()  # the served weights', where the system granted huge pages
     weight_bytes = target.model.weight_bytes()
     rows = []
     domains = list(dict.fromkeys(p["domain"] for p in prompts))
@@ -459,6 +460,7 @@ def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_t
             "near_tie_eps": eps, "cpu": cpu_model(), "cores": os.cpu_count(),
             "kernel_isa": torch.backends.cpu.get_cpu_capability(),
             "torch": torch.__version__, "weight_mb": round(weight_bytes / 1e6, 1),
+            "huge_page_mb": None if huge is None else round(huge, 1),
             "stream_bandwidth_gb_per_s": round(bandwidth, 2),
             "dcut_kept_fraction": round(engine.stats.dcut_kept / engine.stats.dcut_drafted, 3)
             if engine.stats.dcut_drafted else None,
@@ -481,7 +483,8 @@ def format_table(result: dict) -> str:
              f"tokens, {cfg['concurrency']} in flight, "
              f"{'greedy' if cfg['greedy'] else 'sampled at T=%g top_p=%g' % (cfg['temperature'], cfg['top_p'])}, "
              f"{cfg['threads']} threads  |  "
-             f"weights {cfg['weight_mb']} MB {cfg.get('weights', 'float32')}, "
+             f"weights {cfg['weight_mb']} MB {cfg.get('weights', 'float32')}"
+             f"{'' if cfg.get('huge_page_mb') is None else ' (%g MB on huge pages)' % cfg['huge_page_mb']}, "
              f"machine streams {cfg['stream_bandwidth_gb_per_s']} GB/s",
              f"{'drafter':<22} {'domain':<6} {'tok/s':>8} {'accept':>7} {'verify':>6} {'speedup':>8} "
              f"{'GB/s':>6} {'%bw':>5} {'lossless':>9} {'near_ties':>9} {'draft/fwd':>9}  used"]

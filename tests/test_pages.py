@@ -7,7 +7,7 @@ from conftest import make_checkpoint
 
 from angelspec.checkpoint import read_config, read_weights
 from angelspec.model import Llama
-from angelspec.pages import HUGE_PAGE, LINE, on_huge_pages, zeros_on_huge_pages
+from angelspec.pages import HUGE_PAGE, LINE, huge_page_mb, on_huge_pages, zeros_on_huge_pages
 from angelspec.plugins.linear import QuantWeight, quantize
 
 THP = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -57,3 +57,4 @@ def test_a_served_models_weights_are_advised_to_huge_pages(tmp_path):
     served = base.served_as("w4a8")
     for t in (served.layers[0]["qkv"].q, served.layers[-1]["down"].scale, served.norm, served.head_w.q):
         assert mapping_of(t).get("THPeligible") == "1"
+    assert huge_page_mb() is not None  # what bench reports (0 where none were granted)
