@@ -7,8 +7,8 @@ A decoding forward reads every weight once, from memory (a model is larger than 
 is not (another OS, THP off), the same memory has 4 KB pages and nothing else differs.
 
 The KV cache stays in torch's own allocations: its layers in one buffer would be views of one
-storage, and torch.compile (the `inductor` backend) handles inputs that alias and are written to
-differently (its logits stopped matching eager's)."""
+storage, inputs that alias one another and are written to, and torch.compile's graph (the
+`inductor` backend) then computed other logits than eager's."""
 from __future__ import annotations
 
 import dataclasses
@@ -45,25 +45,22 @@ def on_huge_pages(weights: list) -> list:
     """Each weight (a tensor, or a dataclass of tensors such as plugins.linear's QuantWeight; None
     stays None) with its tensors copied, in this order, into one buffer on huge pages: a forward
     that reads them in this order streams one run of memory."""
-    def tensors(w) -> list[torch.Tensor]:
-        if w is None:
-            return []
-        if isinstance(w, torch.Tensor):
-            return [w]
-        return [v for f in dataclasses.fields(w) if isinstance(v := getattr(w, f.name), torch.Tensor)]
+    def tensor_fields(w) -> list[str]:
+        return [f.name for f in dataclasses.fields(w) if isinstance(getattr(w, f.name), torch.Tensor)]
 
-    flat = [t for w in weights for t in tensors(w)]
+    flat = [t for w in weights if w is not None
+            for t in ([w] if isinstance(w, torch.Tensor) else [getattr(w, k) for k in tensor_fields(w)])]
     copies = zeros_on_huge_pages([(tuple(t.shape), t.dtype) for t in flat])
     for copy, t in zip(copies, flat):
         copy.copy_(t)
-    copies = iter(copies)
-    out = []
+    copies, out = iter(copies), []
     for w in weights:
-        if w is None or isinstance(w, torch.Tensor):
-            out.append(w if w is None else next(copies))
+        if w is None:
+            out.append(None)
+        elif isinstance(w, torch.Tensor):
+            out.append(next(copies))
         else:
-            out.append(dataclasses.replace(w, **{f.name: next(copies) for f in dataclasses.fields(w)
-                                                 if isinstance(getattr(w, f.name), torch.Tensor)}))
+            out.append(dataclasses.replace(w, **{k: next(copies) for k in tensor_fields(w)}))
     return out
 
 
