@@ -299,8 +299,7 @@ class Llama:
             self.pack_bf16()
         else:
             self.quantize(weights)
-        order = [(layer, k) for layer in self.layers for k in
-                 ("in_norm", "qkv", "qkv_b", "o", "o_b", "post_norm", "gate_up", "gate_up_b", "down", "down_b")]
+        order = [(layer, k) for layer in self.layers for k in layer]  # a layer's dict: in forward order
         moved = on_huge_pages([layer[k] for layer, k in order] + [self.norm, self.head_w])
         for (layer, k), w in zip(order, moved):
             layer[k] = w

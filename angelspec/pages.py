@@ -24,7 +24,8 @@ def zeros_on_huge_pages(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> lis
     """Zero-filled tensors of these (shape, dtype), one after another in one anonymous mapping
     (2 MB-aligned, advised to huge pages); they keep it alive between them."""
     sizes = [torch.Size(shape).numel() * dtype.itemsize for shape, dtype in specs]
-    span = -(-sum(-(-n // LINE) * LINE for n in sizes) // HUGE_PAGE) * HUGE_PAGE  # whole huge pages
+    padded = [-(-n // LINE) * LINE for n in sizes]
+    span = -(-sum(padded) // HUGE_PAGE) * HUGE_PAGE  # whole huge pages
     # private (a shared mapping is shmem, whose huge pages are a separate setting) and anonymous:
     # zeros, no page touched yet; a huge page more, to start on one
     mapping = mmap.mmap(-1, span + HUGE_PAGE, flags=mmap.MAP_PRIVATE)
@@ -35,9 +36,9 @@ def zeros_on_huge_pages(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> lis
     except (AttributeError, OSError):  # no such advice here: 4 KB pages
         pass
     out, at = [], start
-    for (shape, dtype), n in zip(specs, sizes):
+    for (shape, dtype), n, room in zip(specs, sizes, padded):
         out.append(buf[at:at + n].view(dtype).view(shape))
-        at += -(-n // LINE) * LINE
+        at += room
     return out
 
 
