@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TARGET ?= build/targets/smollm2-135m-instruct
 BENCH_ARGS ?= --drafters ar,ngram,hf --max-tokens 128 --verify-cost
-# drafts: PRESET=quick (default; 45 min on a 2-core AMX-BF16 CPU, over 1 h without) or PRESET=full (~2.3 h)
+# drafts: PRESET=quick (default; 45 min on a 2-core AMX-BF16 CPU, 54 min on AVX512-BF16, over 1 h on AVX2) or PRESET=full (~2.3 h)
 PRESET ?= quick
 DATA_ARGS_quick := --chat 1200 --code 1200 --math 1200 --heldout 10 --max-tokens 160
 DATA_ARGS_full  := --chat 1200 --code 1200 --math 1200 --heldout 20 --max-tokens 256

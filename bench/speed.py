@@ -70,6 +70,17 @@ class Run:
     # many in flight: tokens and seconds while every slot was busy (run_engine_chunk)
     steady_tokens: int = 0
     steady_seconds: float = 0.0
+    rates: list = field(default_factory=list)  # tokens/s of each batch, in the order they ran
+
+    def mark(self) -> tuple:
+        return sum(self.seconds.values()), self.steady_tokens, self.steady_seconds
+
+    def close_batch(self, chunk: list[int], mark: tuple) -> None:
+        """Keeps the rate of the batch run since `mark` (one request: its tokens over its time;
+        several: over the time every slot was busy, as for the whole run)."""
+        secs, tokens, busy = (now - then for now, then in zip(self.mark(), mark))
+        self.rates.append(tokens / busy if len(chunk) > 1 and busy > 0 else
+                          sum(len(self.outputs[i]) for i in chunk) / secs)
 
     def __post_init__(self):
         self.outputs, self.steps, self.committed = [None] * self.n, [0] * self.n, [0] * self.n
@@ -382,10 +393,12 @@ def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_t
                                              unit="batch", file=sys.stderr)):
         samples.append(stream_bandwidth(buf=stream_buf))
         for run in runs[k % len(runs):] + runs[:k % len(runs)]:
+            mark = run.mark()
             if run.drafter in outside:
                 outside[run.drafter](run, ids, chunk, domain, max_tokens)
             else:
                 run_engine_chunk(engine, run, ids, chunk, domain, max_tokens, sampling)
+            run.close_batch(chunk, mark)
     ref = runs[0].outputs
     if batch_size > 1:  # the lossless reference is always batch-1 autoregressive decoding
         ref_run, single = Run("ar", len(ids)), Engine(target, max_batch=1, max_len=engine.max_len)
@@ -440,6 +453,8 @@ def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_t
                            speedup_vs_ar=round(tps / ar_tps[dom], 3),
                            weight_gb_per_s=None if run.drafter in OTHER_NUMERICS else  # their own bytes
                            round(forwards * weight_bytes / (secs - pre) / 1e9, 2))
+            if dom == "all" and run is not runs[0]:  # each batch against ar's, back to back
+                row["paired_vs_ar"] = paired(run.rates, runs[0].rates)
             if dom == "all" and run.drafter not in REFERENCES:
                 # drafting time per step against the verification forward's (the same steps)
                 row["draft_per_forward"] = round(run.draft_time / run.forward_time, 3) \
@@ -477,6 +492,15 @@ def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_t
     return result
 
 
+def paired(rates: list[float], ar_rates: list[float]) -> dict:
+    """A runner's tokens/s on each batch over ar's on the same batch, run moments apart: on a
+    machine whose speed drifts, their spread says whether a ratio of totals is above or below
+    1 by more than the drift (the median, the extremes, and in how many batches it was >= 1)."""
+    r = sorted(a / b for a, b in zip(rates, ar_rates))
+    return {"batches": len(r), "median": round(statistics.median(r), 3), "min": round(r[0], 3),
+            "max": round(r[-1], 3), "at_least_ar": sum(x >= 1 for x in r)}
+
+
 def format_table(result: dict) -> str:
     cfg = result["config"]
     lines = [f"target {cfg['target']}  |  {cfg['prompts']} prompts, {cfg['max_tokens']} new "
@@ -508,6 +532,13 @@ def format_table(result: dict) -> str:
     if drained:
         lines.append(f"tok/s at {cfg['concurrency']} in flight: while every slot was busy; whole runs, the "
                      "drain at the end included: " + ", ".join(f"{d} {v:.2f}" for d, v in drained))
+    pairs = [(r["drafter"] + ("+dcut" if r.get("dcut") else ""), r["paired_vs_ar"])
+             for r in result["results"] if "paired_vs_ar" in r]
+    if pairs and pairs[0][1]["batches"] > 1:
+        lines.append(f"each batch against ar's run of it (x ar: median [min-max], batches >= ar of "
+                     f"{pairs[0][1]['batches']}): " + ", ".join(
+                         f"{d} {p['median']:.2f} [{p['min']:.2f}-{p['max']:.2f}] {p['at_least_ar']}"
+                         for d, p in pairs))
     if cfg.get("llamacpp_extra_buffers") is False:
         lines.append("llamacpp ran without its extra buffer types (--no-repack): its AMX-INT8 matmul "
                      "crashed on such a CPU here (llama.cpp issue 20824)")

@@ -210,6 +210,25 @@ def test_another_machine_reprofiles_at_start(parts, tmp_path, capsys):
     assert "re-profiling" in capsys.readouterr().err
 
 
+def test_route_calibration_does_not_time_loading_a_drafter(parts, monkeypatch):
+    """The first request of a drafter builds it (a real ngram datastore took 2.3 s to load): the
+    routes are measured after each candidate has run once, else the first domain's route would
+    go to whichever drafter had loaded before (it sent chat to a slower mtp)."""
+    import time
+
+    from angelspec.builders.build import calibrate_routes
+
+    root, target, _ = parts
+    load = Datastore.load.__func__
+
+    def slow_load(cls, *args, **kwargs):
+        time.sleep(1.0)
+        return load(cls, *args, **kwargs)
+    monkeypatch.setattr(Datastore, "load", classmethod(slow_load))
+    _, speed = calibrate_routes(target, root / "drafts", ["mtp", "ngram"], per_domain=1, max_tokens=8)
+    assert speed["chat"]["ngram"] > 40  # 8 tokens in over a second would be < 8 tokens/s
+
+
 def test_bench_cli_with_engine_concurrency_dcut_and_auto(parts, tmp_path):
     import subprocess
     import sys
@@ -241,6 +260,13 @@ def test_bench_cli_with_engine_concurrency_dcut_and_auto(parts, tmp_path):
     used = rows[("auto", True, "all")]["drafter_used"]
     assert sum(used.values()) == 6 and set(used) <= {"mtp", "dfly", "ngram"}
     assert "auto+dcut" in proc.stdout
+    # each batch's rate against ar's run of the same batch: every batch of both rounds, once
+    from angelspec.bench.speed import chunks
+    from angelspec.prompts import load_prompts
+    pair = rows[("ngram", True, "all")]["paired_vs_ar"]
+    assert pair["batches"] == 2 * len(chunks(load_prompts(root / "data" / "heldout.jsonl"), 2))
+    assert pair["min"] <= pair["median"] <= pair["max"] and 0 <= pair["at_least_ar"] <= pair["batches"]
+    assert "paired_vs_ar" not in ar and "each batch against ar's run of it" in proc.stdout
 
 
 def test_bench_sampled_checks_every_drafter_against_the_seeded_ar_sample(parts):
