@@ -258,7 +258,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                         "and without it, side by side")
     b.add_argument("--rounds", type=int, default=1,
                    help="run every batch this many times, drafters taking turns (steadier "
-                        "figures on a noisy machine, at high concurrency above all)")
+                        "figures on a noisy machine, at high concurrency above all); each "
+                        "runner's batches are also compared with ar's run of the same batch "
+                        "(median, spread, how many >= ar)")
     b.add_argument("--temperature", type=float, default=0.0,
                    help="0: greedy; above: every prompt sampled with its index as seed, and each "
                         "drafter's sample checked against the seeded ar sample")
