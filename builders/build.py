@@ -102,8 +102,7 @@ def calibrate_routes(target, drafts_dir: pathlib.Path, candidates: list[str], co
     engine = Engine(target, max_batch=1, max_len=max(map(len, ids)) + max_tokens + 1,
                     drafts=str(drafts_dir), draft_lens=draft_lens, dcut=cost is not None, cost=cost)
     params = SamplingParams(max_tokens=max_tokens)
-    for c in candidates:  # built and run once untimed: loading a draft or a datastore is no step
-        engine.generate([Request(ids[0], SamplingParams(max_tokens=8), c)])
+    engine.warm_up(candidates)  # loading a draft or a datastore is no decoding step
     tokens = {(d, c): 0 for d in DOMAINS for c in candidates}
     seconds = dict.fromkeys(tokens, 0.0)
     for r, x in zip(rows, ids):
