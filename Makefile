@@ -102,7 +102,7 @@ bench-engine:
 	  --drafters ar,ngram,mtp,dfly,$(TREES),auto --max-tokens 128 --dcut on \
 	  --out build/bench-engine-c1$(SUFFIX).json
 	$(VENV)/bin/angelspec bench --engine $(ENGINE) --prompts $(DATA)/heldout.jsonl \
-	  --drafters ar,ngram,dfly,auto --max-tokens 128 --concurrency 16 --dcut both --rounds 3 \
+	  --drafters ar,ngram,dfly,auto --max-tokens 128 --concurrency 16 --dcut both --rounds 6 \
 	  --out build/bench-engine-c16$(SUFFIX).json
 
 serve: setup
