@@ -34,6 +34,22 @@ def test_sources_are_deterministic_deduplicated_and_clean(domain):
         assert not any(f in r["source"].lower() for f in FORBIDDEN)
 
 
+@pytest.mark.parametrize("domain", DOMAINS)
+def test_sources_draw_the_same_prompts_in_every_process(domain):
+    """The same seed gives the same prompts under any string-hash seed (a data folder resumed in
+    a new process, or made again on another machine, draws what the first run drew); a generator
+    whose items followed Python's per-process hash order drew other polynomials each run."""
+    import os
+    import subprocess
+
+    code = ("import json; from angelspec.training.sources import prompts; "
+            f"print(json.dumps(prompts({domain!r}, 100, 0)))")
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                           env=dict(os.environ, PYTHONHASHSEED=h)) for h in ("1", "2")]
+    assert all(r.returncode == 0 for r in runs), runs[0].stderr[-2000:]
+    assert json.loads(runs[0].stdout) == json.loads(runs[1].stdout)
+
+
 def test_code_source_holds_the_presets_prompts():
     """Functions and methods of the standard library: the quick and full presets' 1,200 code
     prompts and their held-out share (1 in 8 of the draw) without running dry."""

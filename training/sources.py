@@ -20,12 +20,14 @@ import zlib
 from angelspec.prompts import DEFAULT_PROMPTS, read_jsonl
 
 MAX_CHARS = 1200
+# never gsm_symbolic (GSM8K's templates); not polynomial_multiplication either: its polynomials
+# follow Python's per-process string-hash order, so every run drew other ones
 MATH_TASKS = ("basic_arithmetic", "chain_sum", "decimal_chain_sum", "fraction_simplification",
-              "simple_equations", "polynomial_multiplication", "polynomial_equations",
+              "simple_equations", "polynomial_equations",
               "prime_factorization", "gcd", "lcm", "decimal_arithmetic", "time_intervals",
               "calendar_arithmetic", "leg_counting", "products", "complex_arithmetic",
               "base_conversion", "power_function", "simple_geometry", "count_primes", "dice",
-              "coin_flip", "aiw", "simple_integration", "number_sequence")  # never gsm_symbolic
+              "coin_flip", "aiw", "simple_integration", "number_sequence")
 CODE_TEMPLATES = {
     "write": "Write a Python function `{name}({args})` that does the following: {summary}",
     "complete": "Complete the following Python function:\n\n```python\n{head}\n```",
