@@ -42,7 +42,7 @@ def speculative_step(engine, active: list[RequestState]) -> Committed:
     book = bookkeeping(names, time.perf_counter() - t0)
     # 3. verify: one forward over every request's [anchor + kept drafts] (chains or trees), packed
     tokens = torch.tensor([t for s, p in zip(active, props)
-                           for t in (s.tokens[-1], *(p.tokens.tolist() if len(p.tokens) else ()))])
+                           for t in (s.tokens[-1], *p.tokens.tolist())])
     segments = [Segment(s.slot, s.cache_len, 1 + len(p.tokens),
                         None if p.parents is None else torch.cat([torch.tensor([-1]), p.parents + 1]))
                 for s, p in zip(active, props)]
