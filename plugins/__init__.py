@@ -3,9 +3,9 @@
 Model kernels (C++, csrc/; compiled when AngelSpec is installed, see build.py): skinny_linear
 (float32 or bf16 weights),
 quant_linear (int8 / int4 weight-only), quant_dot_linear (w8a8 / w4a8), amx_linear (+ amx_pack),
-cached_attention, rms_norm, rope_, silu_mul, decoder_layer (one layer of a decoding forward
-through those kernels, in one call) and the class DecoderStack (every layer of a model, its
-weights taken apart once, a forward in one call).
+cached_attention, rms_norm, rope_, silu_mul, the class DecoderStack (every layer of a model
+through those kernels, its weights taken apart once, a forward in one call) and the class
+MTPDraft (an MTP draft's greedy proposal, catch-up and rollout, in one call).
 System ops (one implementation of each rule): verify_greedy and accept_paths (C++, csrc/verify.cpp),
 verify_rejection, dcut_select, dfly_draft_head (PyTorch). Every op has a fake implementation
 (torch.compile / torch.export); DecoderStack runs only outside compiled graphs.

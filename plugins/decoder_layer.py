@@ -1,10 +1,10 @@
-"""One decoder layer of a decoding or verification forward as one op (`angelspec::decoder_layer`):
-rms_norm, qkv, rope_, cached_attention, o, the residual, rms_norm, gate_up, silu_mul, down and
-the residual, calling the same kernels in the same order as the model's layer loop does op by
-op, so the numbers are the same bit for bit, in one trip from Python instead of a dozen; and
-every layer of a forward in one call (`angelspec::DecoderStack`, whose weights are checked and
-taken apart once, a model's forward after forward). Up to SKINNY_MAX_ROWS rows (longer inputs take
-the op-by-op path, whose matmuls change kernels there).
+"""The decoder layers of a decoding or verification forward in one call
+(`angelspec::DecoderStack`, whose weights are checked and taken apart once, a model's forward
+after forward; a draft's layer is a one-layer stack): per layer rms_norm, qkv, rope_,
+cached_attention, o, the residual, rms_norm, gate_up, silu_mul, down and the residual, calling the
+same kernels in the same order as the model's layer loop does op by op, so the numbers are the
+same bit for bit, in one trip from Python instead of a dozen a layer. Up to SKINNY_MAX_ROWS rows
+(longer inputs take the op-by-op path, whose matmuls change kernels there).
 """
 import torch
 
@@ -13,12 +13,11 @@ from angelspec.plugins.build import load_kernels
 from angelspec.plugins.linear import Bf16Weight, QuantWeight
 
 load_kernels()
-_layer = torch.ops.angelspec.decoder_layer
 MATMULS = ("qkv", "o", "gate_up", "down")
 
 
 def weight_args(w) -> tuple[list[torch.Tensor], int]:
-    """A matmul weight as decoder_layer takes it: its tensors and its kind, 0 float32, 1 bf16
+    """A matmul weight as DecoderStack takes it: its tensors and its kind, 0 float32, 1 bf16
     packed (pack_bf16), 2 weight-only quantized, 3 quantized with int8 activations (a Bf16Weight:
     kind 0, skinny_linear reads its bf16 rows)."""
     if isinstance(w, Bf16Weight):
@@ -26,24 +25,6 @@ def weight_args(w) -> tuple[list[torch.Tensor], int]:
     if isinstance(w, QuantWeight):
         return [w.q, w.scale] + ([] if w.offset is None else [w.offset]), 3 if w.int8_activations else 2
     return [w], 1 if w.dtype == torch.bfloat16 else 0
-
-
-def prepare(layer: dict, eps: float) -> tuple:
-    """The layer's own arguments of decoder_layer (weights, norms, biases), built once."""
-    weights = [weight_args(layer[k]) for k in MATMULS]
-    return (layer["in_norm"], layer["post_norm"], eps, *[w for w, _ in weights],
-            [kind for _, kind in weights], layer["qkv_b"], layer["o_b"], layer["gate_up_b"],
-            layer["down_b"])
-
-
-def decoder_layer(x: torch.Tensor, prepared: tuple, cos: torch.Tensor, sin: torch.Tensor,
-                  rope_positions: torch.Tensor, nq: int, nkv: int, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
-                  parents: torch.Tensor | None, window: int | None) -> torch.Tensor:
-    """x [N, hidden] -> the layer's output [N, hidden]; writes this forward's keys and values
-    into the caches (cached_attention's arguments)."""
-    return _layer(x, *prepared, cos, sin, rope_positions, nq, nkv, k_cache, v_cache, slots, positions,
-                  CHAIN if parents is None else parents, window or 0)
 
 
 def prepare_stack(layers: list[dict], eps: float, nq: int, nkv: int, head_dim: int):

@@ -14,7 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from angelspec.plugins.build import load_kernels
+from angelspec.plugins.decoder_layer import weight_args
 from angelspec.plugins.linear import linear
+
+load_kernels()
 
 
 @torch.library.custom_op("angelspec::dfly_draft_head", mutates_args=())
@@ -30,6 +34,20 @@ def dfly_draft_head(hidden: Tensor, anchor: Tensor, embed: Tensor, head_norm: Te
     of each): at each link the best `width` tokens, best first; the chain goes on with the best."""
     return draft_head(hidden, anchor, embed, head_norm, prev_norm, gate, up, down, final_norm,
                       lm_head, vocab_ids, eps, candidates, width)
+
+
+def prepare_dfly_head(embed: Tensor, head_norm: Tensor, prev_norm: Tensor, gate_up, down, final_norm: Tensor,
+                      lm_head, vocab_ids: Tensor, eps: float):
+    """draft_head's computation for the whole draft vocabulary as one C++ call a drafting step
+    (`angelspec::DFlyHead`, csrc/dfly_head.cpp; its `chains(hidden, anchor, width, stop_below)`
+    returns what draft_head does): embed [V, h] float32; the norms' weights [h]; gate_up [2m, 2h]
+    (gate's rows, then up's), down [h, m] and lm_head [Vd, h] any weight `linear` takes;
+    vocab_ids [Vd]."""
+    def norm(w):
+        return w.detach().float().contiguous()
+    return torch.classes.angelspec.DFlyHead(embed, norm(head_norm), norm(prev_norm), *weight_args(gate_up),
+                                            *weight_args(down), final_norm, *weight_args(lm_head),
+                                            vocab_ids.long().contiguous(), eps)
 
 
 def draft_head(hidden, anchor, embed, head_norm, prev_norm, gate, up, down, final_norm, lm_head,

@@ -27,12 +27,6 @@ def _(x, q, scale, offset, bits):
     return x.new_empty(x.shape[0], q.shape[0])
 
 
-@torch.library.register_fake("angelspec::decoder_layer")
-def _(x, in_norm, post_norm, eps, qkv, o, gate_up, down, kinds, qkv_b, o_b, gate_up_b, down_b, cos,
-      sin, rope_positions, nq, nkv, k_cache, v_cache, slots, positions, parents, window):
-    return torch.empty_like(x)
-
-
 @torch.library.register_fake("angelspec::amx_pack")
 def _(w):
     return w.new_empty(w.shape, dtype=torch.bfloat16)

@@ -240,6 +240,63 @@ def test_greedy_lossless_with_trained_drafters(target8, tmp_path, kind):
         assert sum(r.stats.drafted for r in out) > 0
 
 
+@pytest.mark.parametrize("weights", ["float32", "w4a8"])
+@pytest.mark.parametrize("kind,vocab", [("mtp", 0), ("mtp3", 40)])
+def test_mtp_fused_proposal_is_the_op_by_op_one(target8, tmp_path, kind, vocab, weights):
+    """Greedy chains take the one-call path (angelspec::MTPDraft), sampled requests the op-by-op
+    one; at temperature 1 a sampled request's confidences are the plain softmax, so both paths
+    must propose the same tokens with the same confidences, from fresh caches and after more
+    positions are committed, for two requests at once."""
+    cfg, model = draft(target8, kind, vocab=vocab)
+    target = load_target(target8.path, max_len=512)
+    if weights != "float32":
+        target.model.serve(weights)
+    save_draft(tmp_path / cfg.kind, cfg, model.state_dict())
+    g = torch.Generator().manual_seed(4)
+    seqs = [torch.randint(1, 96, (n,), generator=g).tolist() for n in (12, 40)]
+    feats = [features(target, t, cfg.target_layers) for t in seqs]
+    for temperature in (0.0, 1.0):
+        drafter = make_drafter(cfg.kind, 4, target, tmp_path)
+        views = [state_at(t, 5, drafter, f, temperature, slot=i) for i, (t, f) in enumerate(zip(seqs, feats))]
+        props = [drafter.propose(views)]
+        for v, t, f in zip(views, seqs, feats):
+            v.req.tokens[:] = t[:-1]
+            drafter.on_commit(v, {l: f[l][5: len(t) - 2] for l in drafter.capture})
+        props.append(drafter.propose(views))
+        if temperature == 0.0:
+            fused = props
+    for ps, qs in zip(fused, props):
+        for p, q in zip(ps, qs):
+            assert p.tokens.tolist() == q.tokens.tolist() and len(p.tokens) == 4
+            torch.testing.assert_close(p.confidence, q.confidence, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("weights", ["float32", "w4a8"])
+def test_dfly_head_in_one_call_is_draft_head(target8, tmp_path, weights):
+    """DFly's chains over the whole draft vocabulary run as one C++ call (angelspec::DFlyHead);
+    they are plugins.dfly_head.draft_head's link by link, over the same served weights: the
+    same tokens, the same confidences, widths 1 and 3, stopping where every chain's survival
+    drops below a threshold."""
+    from angelspec.plugins.dfly_head import draft_head
+    cfg, model = draft(target8, "dfly", vocab=64)
+    target = load_target(target8.path, max_len=512)
+    if weights != "float32":
+        target.model.serve(weights)
+    drafter = served(target, tmp_path, cfg, model)
+    d, fz = drafter.model, drafter.frozen
+    g = torch.Generator().manual_seed(6)
+    hidden = torch.randn(3, 5, cfg.hidden_size, generator=g)
+    anchors = torch.tensor([7, 0, 31])
+    for width, stop in ((1, 0.0), (3, 0.0), (1, 0.5)):
+        t, c = drafter.head.chains(hidden, anchors, width, stop)
+        rt, rc = draft_head(hidden, anchors, fz.embed, d.head_norm.weight, d.prev_norm.weight,
+                            d.ar.gate.serving_weight, d.ar.up.serving_weight, d.ar.down.serving_weight,
+                            fz.norm_w, fz.head_mm, fz.vocab_ids, fz.eps, None, width, stop)
+        assert t.tolist() == rt.tolist() and t.shape[1] == (5 if not stop else rt.shape[1])
+        torch.testing.assert_close(c, rc, rtol=1e-4, atol=1e-6)
+    assert t.shape[1] < 5  # the threshold did stop the chains
+
+
 @pytest.mark.parametrize("kind", ["mtp", "dfly"])
 def test_drafts_serve_in_the_engines_quantized_scheme_losslessly(target8, tmp_path, kind):
     """On an engine serving w4a8 weights, a draft's matmuls (its layers, DFly's AR head, the draft

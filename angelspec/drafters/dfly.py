@@ -13,9 +13,9 @@ import torch.nn as nn
 
 from angelspec.drafters.base import Proposal
 from angelspec.drafters.modules import DecoderLayer, Linear, RMSNorm, SwiGLU, grouped
-from angelspec.drafters.trained import SlotCache, TrainedDrafter
-from angelspec.plugins import cached_attention
-from angelspec.plugins.dfly_head import draft_head
+from angelspec.drafters.trained import SlotCache, TrainedDrafter, layer_stack, stacked
+from angelspec.plugins import SKINNY_MAX_ROWS
+from angelspec.plugins.dfly_head import draft_head, prepare_dfly_head
 
 
 def distance_prior(num_draft_layers: int, k: int, sharpness: float) -> torch.Tensor:
@@ -115,6 +115,12 @@ class DFlyDrafter(TrainedDrafter):
         m = target.model  # the context and the block, each layer's keys in one cache (SlotCache)
         self.caches = [SlotCache(l.nkv, l.hd, m.max_len + self.cfg.block_size, m.kv_dtype)
                        for l in self.model.layers]
+        self.stack = layer_stack(list(self.model.layers), m.weights)  # the block forward in one call
+        if self.cfg.ar_head:  # the chains over the whole draft vocabulary in one call a step
+            d, fz = self.model, self.frozen
+            self.head = prepare_dfly_head(fz.embed, d.head_norm.weight, d.prev_norm.weight,
+                                          stacked([d.ar.gate, d.ar.up], m.weights), d.ar.down.serving_weight,
+                                          fz.norm_w, fz.head_mm, fz.vocab_ids, fz.eps)
 
     @torch.inference_mode()
     def propose(self, states: list) -> list[Proposal]:
@@ -171,22 +177,21 @@ class DFlyDrafter(TrainedDrafter):
 
     def blocks(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """The draft layers over one block per request: x [R, b, h] at positions [R, b] of slots
-        [R]. Each layer writes the blocks' keys and values into its cache, then every row attends
-        to its slot's keys up to the block's last position (the context and its whole block,
-        bidirectionally) in one cached_attention call: each row passes the block's last key and
-        value, which the kernel writes where they already are."""
+        [R], in one call (DecoderStack.forward_blocks, up to SKINNY_MAX_ROWS rows): each layer
+        writes the blocks' keys and values into its cache, then every row attends to its slot's
+        keys up to the block's last position (the context and its whole block,
+        bidirectionally)."""
         r, b = positions.shape
-        cos, sin = self.frozen.rope_tables(positions)
-        row_slots, row_pos = slots.repeat_interleave(b), positions.reshape(-1)
-        last = positions[:, -1].repeat_interleave(b)
-        rows = lambda t: t.transpose(1, 2).reshape(r * b, t.shape[1], t.shape[-1])  # noqa: E731
-        for layer, cache in zip(self.model.layers, self.caches):
-            q, kb, vb = layer.qkv(x, cos, sin)  # [R, H(kv), b, D]
-            cache.write(row_slots, row_pos, rows(kb), rows(vb))
-            kl, vl = (rows(t[:, :, -1:].expand(-1, -1, b, -1)) for t in (kb, vb))
-            attn = cached_attention(rows(q).contiguous(), kl, vl, cache.k, cache.v, row_slots, last)
-            x = layer.finish(x, attn.view(r, b, -1, attn.shape[-1]).transpose(1, 2))
-        return x
+        for cache in self.caches:
+            cache.fit(slots)
+        ks, vs = [c.k for c in self.caches], [c.v for c in self.caches]
+        rows = lambda t: t.reshape(-1, *t.shape[2:])  # noqa: E731
+        per = max(1, SKINNY_MAX_ROWS // b)  # blocks a call
+        out = [self.stack.forward_blocks(rows(x[a: a + per]), self.frozen.cos, self.frozen.sin, ks, vs,
+                                         slots[a: a + per].repeat_interleave(b), rows(positions[a: a + per]),
+                                         positions[a: a + per, -1].repeat_interleave(b))
+               for a in range(0, r, per)]
+        return torch.cat(out).view(r, b, -1)
 
     def ar_chains(self, hidden: torch.Tensor, anchors: torch.Tensor, cands, width: int, stop_below: float = 0.0):
         """The AR head's chains over hidden [R, n, h] from anchors [R]: tokens, confidence
@@ -194,11 +199,13 @@ class DFlyDrafter(TrainedDrafter):
         stop_below)."""
         model, fz, ar = self.model, self.frozen, self.model.ar
         # every link's products read the weights in the engine's precision and kernels (bf16
-        # tiles, a quantized scheme); re-scoring gathers float32 rows of the head
-        head = fz.lm_head if cands is not None else fz.head_mm
+        # tiles, a quantized scheme): over the whole draft vocabulary one call (self.head);
+        # re-scoring gathers float32 rows of the head link by link
+        if cands is None:
+            return tuple(self.head.chains(hidden, anchors, width, stop_below))
         return draft_head(
             hidden.contiguous(), anchors, fz.embed, model.head_norm.weight, model.prev_norm.weight,
-            ar.gate.serving_weight, ar.up.serving_weight, ar.down.serving_weight, fz.norm_w, head,
+            ar.gate.serving_weight, ar.up.serving_weight, ar.down.serving_weight, fz.norm_w, fz.lm_head,
             fz.vocab_ids, fz.eps, cands, width, stop_below)
 
 

@@ -11,9 +11,10 @@ import torch.nn as nn
 
 from angelspec.drafters.base import Proposal
 from angelspec.drafters.modules import DecoderLayer, Linear, RMSNorm
-from angelspec.drafters.trained import SlotCache, TrainedDrafter
-from angelspec.plugins import SKINNY_MAX_ROWS, served
-from angelspec.plugins.decoder_layer import decoder_layer, prepare
+from angelspec.drafters.trained import SlotCache, TrainedDrafter, layer_stack
+from angelspec.plugins import SKINNY_MAX_ROWS
+from angelspec.plugins.decoder_layer import decoder_stack
+from angelspec.plugins.mtp_draft import mtp_draft, prepare_mtp_draft
 
 
 class MTP(nn.Module):
@@ -47,23 +48,14 @@ class MTP(nn.Module):
 
 
 class FusedLayer:
-    """The draft's decoder layer run as the target runs its own: one `angelspec::decoder_layer`
-    op per forward (the engine's kernels and weight precision), keys and values in a cache of
+    """The draft's decoder layer run as the target runs its own: a one-layer DecoderStack (the
+    engine's kernels and weight precision, one op per forward), keys and values in a cache of
     the target's layout whose slots the caller assigns (grown as they appear). A rollout's rows
     sit at the positions past a request's committed ones, so the next catch-up overwrites
     them."""
 
     def __init__(self, layer: DecoderLayer, model):
-        def weight(*linears):
-            w = torch.cat([m.weight.detach().float() for m in linears]).contiguous()
-            return w if model.weights == "float32" else served(w, model.weights)
-        self.prepared = prepare(dict(
-            in_norm=layer.in_norm.weight.detach().float().contiguous(),
-            post_norm=layer.post_norm.weight.detach().float().contiguous(),
-            qkv=weight(layer.q_proj, layer.k_proj, layer.v_proj), o=weight(layer.o_proj),
-            gate_up=weight(layer.mlp.gate, layer.mlp.up), down=weight(layer.mlp.down),
-            qkv_b=None, o_b=None, gate_up_b=None, down_b=None), layer.in_norm.eps)
-        self.nq, self.nkv = layer.nq, layer.nkv
+        self.stack = layer_stack([layer], model.weights)
         self.cos, self.sin, self.max_len = model.cos, model.sin, model.max_len
         self.cache = SlotCache(layer.nkv, layer.hd, model.max_len, model.kv_dtype)
 
@@ -72,9 +64,9 @@ class FusedLayer:
         and values. Rows of one request in position order attend to its cache up to their own."""
         c = self.cache
         c.fit(slots)
-        out = [decoder_layer(x[a: a + SKINNY_MAX_ROWS], self.prepared, self.cos, self.sin,
-                             positions[a: a + SKINNY_MAX_ROWS], self.nq, self.nkv, c.k, c.v,
-                             slots[a: a + SKINNY_MAX_ROWS], positions[a: a + SKINNY_MAX_ROWS], None, None)
+        out = [decoder_stack(x[a: a + SKINNY_MAX_ROWS], self.stack, self.cos, self.sin,
+                             positions[a: a + SKINNY_MAX_ROWS], [c.k], [c.v], slots[a: a + SKINNY_MAX_ROWS],
+                             positions[a: a + SKINNY_MAX_ROWS], None, None, [])[0]
                for a in range(0, len(x), SKINNY_MAX_ROWS)]
         return out[0] if len(out) == 1 else torch.cat(out)
 
@@ -86,42 +78,55 @@ class MTPDrafter(TrainedDrafter):
     def __init__(self, target, path, **options):
         super().__init__(target, path, **options)
         self.layer = FusedLayer(self.model.layer, target.model)
+        m, fz = self.model, self.frozen
+        # greedy chains: the whole proposal in one call (plugins/mtp_draft.py)
+        self.fused = prepare_mtp_draft(fz.embed, m.enorm.weight, m.hnorm.weight, m.fuse.serving_weight,
+                                       self.layer.stack, fz.norm_w, fz.head_mm, fz.vocab_ids, m.enorm.eps)
 
     @torch.inference_mode()
     def propose(self, states: list) -> list[Proposal]:
         """Every request at once: one forward catches up each request's cache on its newly
         committed positions (the target's hidden states as inputs), then k - 1 rollout steps,
         each one forward over one row per chain, its own output hidden state and token standing
-        in for the target's. The layer is one op over all rows (FusedLayer); the lm_head reads
-        its weights once for the batch. With `branches` b > 1 each of a request's b best first
-        guesses is continued greedily in a cache slot of its own (slot * b + j: the catch-up is
-        written into each), keeping the b best guesses at each step (proposals_from_chains)."""
+        in for the target's. Chains of greedy requests take it in one call (`fused`); otherwise
+        the layer is one op over all rows (FusedLayer) and the lm_head reads its weights once
+        for the batch. With `branches` b > 1 each of a request's b best first guesses is
+        continued greedily in a cache slot of its own (slot * b + j: the catch-up is written
+        into each), keeping the b best guesses at each step (proposals_from_chains)."""
         k = self.draft_len
         if k == 0 or not states:
             return [Proposal.empty() for _ in states]
         model, fz, layer, b = self.model, self.frozen, self.layer, self.branches
-        embs, hids, poss, slots, news = [], [], [], [], []
+        nexts, hids, poss, slots, news = [], [], [], [], []
         for s in states:
             st = s.drafter_state
             start = st.get("real", 0)  # positions whose real (target-hidden) input is cached
             h = model.features(self.take_pending(s))  # rows for start..n-1
             n = start + len(h)
             # real inputs at positions p = start..n-1: (embed(token p+1), target hidden at p)
-            embs.append(fz.embed[torch.tensor(s.tokens[start + 1: n + 1])])
+            nexts += s.tokens[start + 1: n + 1]
             hids.append(h)
             poss.append(torch.arange(start, n))
             slots.append(torch.full((n - start,), s.slot * b))
             news.append(n)
             st["real"] = n
-        x, pos, slot = model.inputs(torch.cat(embs), torch.cat(hids)), torch.cat(poss), torch.cat(slots)
+        nxt, hid, pos, slot = torch.tensor(nexts), torch.cat(hids), torch.cat(poss), torch.cat(slots)
+        last = torch.tensor(news) - 1  # each request's newest position
+        steps = max(min(k, layer.max_len - int(last.max())), 1)  # rollout positions stay in the cache
+        newest = torch.tensor([len(p) for p in poss]).cumsum(0) - 1  # its row
+        if b == 1 and all(s.params.greedy for s in states):
+            layer.cache.fit(slot)
+            tokens, conf = mtp_draft(self.fused, hid, nxt, slot, pos, newest, steps, 1, layer.cos, layer.sin,
+                                     layer.cache.k, layer.cache.v)
+            return [Proposal(t[:, 0], c[:, 0]) for t, c in zip(tokens, conf)]
+        x = model.inputs(fz.embed[nxt], hid)
         out = layer(x.repeat(b, 1), torch.cat([slot + j for j in range(b)]), pos.repeat(b))
-        o = out[torch.tensor([len(p) for p in poss]).cumsum(0) - 1]  # each request's newest position
+        o = out[newest]
         first, conf1 = self.choose(fz.logits(o), states)  # [R, b]
         # the rollout: row r * b + j continues request r's j-th first guess
         rows = [s for s in states for _ in range(b)]
         slot = (torch.tensor([s.slot * b for s in states])[:, None] + torch.arange(b)).reshape(-1)
-        pos = (torch.tensor(news) - 1).repeat_interleave(b)
-        steps = max(min(k, layer.max_len - int(pos.max())), 1)  # rollout positions stay in the cache
+        pos = last.repeat_interleave(b)
         o, prev, tokens, confs = o.repeat_interleave(b, 0), first.reshape(-1), [], []
         for step in range(1, steps):
             o = layer(model.inputs(fz.embed[prev], o), slot, pos + step)

@@ -12,6 +12,7 @@ from angelspec.drafters.draft_checkpoint import DraftConfig, load_draft
 from angelspec.drafters.modules import Frozen, Linear
 from angelspec.plugins import served
 from angelspec.plugins.attention import KEY_TILE, kv_cache
+from angelspec.plugins.decoder_layer import prepare_stack
 from angelspec.sampling import probs_from_logits
 
 
@@ -40,6 +41,25 @@ class SlotCache:
         self.fit(slots)
         self.k[slots, :, positions // KEY_TILE, :, positions % KEY_TILE] = k.to(self.dtype)
         self.v[slots, :, positions] = v.to(self.dtype)
+
+
+def stacked(linears: list, weights: str):
+    """The weights of `linears` (same inputs) stacked, their outputs one after another, as the
+    engine serves a matmul of `weights` (plugins.served; float32 as they are)."""
+    w = torch.cat([m.weight.detach().float() for m in linears]).contiguous()
+    return w if weights == "float32" else served(w, weights)
+
+
+def layer_stack(layers: list, weights: str):
+    """Draft decoder layers (modules.DecoderLayer) as one DecoderStack (plugins.decoder_layer):
+    the engine's kernels, weights served as it serves its own."""
+    dicts = [dict(in_norm=l.in_norm.weight.detach().float().contiguous(),
+                  post_norm=l.post_norm.weight.detach().float().contiguous(),
+                  qkv=stacked([l.q_proj, l.k_proj, l.v_proj], weights), o=stacked([l.o_proj], weights),
+                  gate_up=stacked([l.mlp.gate, l.mlp.up], weights), down=stacked([l.mlp.down], weights),
+                  qkv_b=None, o_b=None, gate_up_b=None, down_b=None) for l in layers]
+    first = layers[0]
+    return prepare_stack(dicts, first.in_norm.eps, first.nq, first.nkv, first.hd)
 
 
 def choose(logits: torch.Tensor, ids: torch.Tensor, states: list,

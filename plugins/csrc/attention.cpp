@@ -49,16 +49,16 @@ inline void narrow(float x, uint16_t* to) {
 // Writes this forward's keys and values into the caches, then attends (element type T).
 template <class T>
 void write_and_attend(const float* ks, const float* vs, T* kd, T* vd, const float* qp, float* op,
-                      const int64_t* slp, const int64_t* pp, const std::vector<int64_t>& hi,
+                      const int64_t* slp, const int64_t* pp, const int64_t* wp, const std::vector<int64_t>& hi,
                       const std::vector<int64_t>& tbeg, const std::vector<int64_t>& tree,
                       bool is_tree, int64_t N, int64_t H, int64_t Hkv, int64_t M, int64_t D,
                       int64_t window, int64_t longest, int64_t widest) {
   for (int64_t n = 0; n < N; ++n)
     for (int64_t h = 0; h < Hkv; ++h) {
       const int64_t head = (slp[n] * Hkv + h) * M * D, src = (n * Hkv + h) * D;
-      T* kcol = kd + head + key_at(pp[n], D);
+      T* kcol = kd + head + key_at(wp[n], D);
       for (int64_t d = 0; d < D; ++d) narrow(ks[src + d], kcol + d * kKeyTile);
-      for (int64_t d = 0; d < D; ++d) narrow(vs[src + d], vd + head + pp[n] * D + d);
+      for (int64_t d = 0; d < D; ++d) narrow(vs[src + d], vd + head + wp[n] * D + d);
     }
   const float scale = 1.0f / std::sqrt(float(D));
   auto* fn = use_avx512() ? static_cast<decltype(&attend_items<V256, T>)>(&attend_items_avx512)
@@ -87,13 +87,14 @@ void attend_rows(const AttentionPlan& plan, const float* q, const float* k, cons
                  void* v_cache, bool bf16, float* out, int64_t H, int64_t Hkv, int64_t M, int64_t D,
                  int64_t window) {
   const int64_t N = static_cast<int64_t>(plan.slots.size());
+  const int64_t* wp = plan.writes.empty() ? plan.positions.data() : plan.writes.data();
   if (bf16)
     write_and_attend(k, v, static_cast<uint16_t*>(k_cache), static_cast<uint16_t*>(v_cache), q, out,
-                     plan.slots.data(), plan.positions.data(), plan.hi, plan.tbeg, plan.tree, plan.is_tree, N, H,
+                     plan.slots.data(), plan.positions.data(), wp, plan.hi, plan.tbeg, plan.tree, plan.is_tree, N, H,
                      Hkv, M, D, window, plan.longest, plan.widest);
   else
     write_and_attend(k, v, static_cast<float*>(k_cache), static_cast<float*>(v_cache), q, out, plan.slots.data(),
-                     plan.positions.data(), plan.hi, plan.tbeg, plan.tree, plan.is_tree, N, H, Hkv, M, D, window,
+                     plan.positions.data(), wp, plan.hi, plan.tbeg, plan.tree, plan.is_tree, N, H, Hkv, M, D, window,
                      plan.longest, plan.widest);
 }
 

@@ -30,7 +30,8 @@ void quant_dot_linear_rows(const float* x, const uint8_t* q, const uint16_t* sca
 // Which keys each query row of a forward attends to (attention.cpp's plan_attention builds it
 // once a forward from slots, positions and parents; every layer uses it).
 struct AttentionPlan {
-  std::vector<int64_t> slots, positions;  // per row
+  std::vector<int64_t> slots, positions;  // per row: its slot, the last position it attends to
+  std::vector<int64_t> writes;            // per row: where its key and value go (empty: positions)
   std::vector<int64_t> hi, tbeg, tree;    // a token tree's rows (empty for chains)
   int64_t longest = 0, widest = 0;
   bool is_tree = false;
