@@ -219,12 +219,15 @@ def _build(target_dir: pathlib.Path, drafts_dir: pathlib.Path, out: pathlib.Path
     if data is not None:
         clf, accuracy = train_router(target, data)
         save_file(clf.state_dict(), str(out / "router.safetensors"))
-        served = set(kinds) | {"ngram"}
-        candidates = [c for c in CANDIDATES if all(parse_spec(p)[0] in served for p in parts(c))]
+        have = set(kinds) | {"ngram"}
+        candidates = [c for c in CANDIDATES if all(parse_spec(p)[0] in have for p in parts(c))]
         bar.set_postfix_str("router: measuring drafters per domain")
-        # at fixed draft lengths: the drafters' own speed (under D-cut the gate would run a
-        # losing drafter as `none`, which on 3 prompts can tie a weak domain's best by chance)
-        routes, speed = calibrate_routes(target, drafts_dir, candidates,
+        # as the engine serves them: with D-cut, if it is on (at fixed lengths a long ngram draft
+        # pays for verifying all of it, and where each verified token costs much, as on a CPU
+        # without AMX, a trained drafter with a shorter draft won domains it loses served). Near
+        # ties (a losing drafter gated to `none` by chance) become contenders, which the
+        # router's shadow scoring settles at run time.
+        routes, speed = calibrate_routes(target, drafts_dir, candidates, served,
                                          draft_lens={"ngram": specs["ngram"].draft_len})
         router = {**Router(None, routes, tuple(candidates), contenders=contenders(speed)).settings(),
                   "domains": list(DOMAINS),

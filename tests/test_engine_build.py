@@ -229,6 +229,27 @@ def test_route_calibration_does_not_time_loading_a_drafter(parts, monkeypatch):
     assert speed["chat"]["ngram"] > 40  # 8 tokens in over a second would be < 8 tokens/s
 
 
+
+@pytest.mark.parametrize("dcut", [True, False])
+def test_routes_are_measured_as_the_engine_serves(parts, tmp_path, monkeypatch, dcut):
+    """The route calibration runs the candidates with D-cut over the build's cost table when the
+    engine serves D-cut, at fixed draft lengths when it does not (and so does ngram's length)."""
+    import angelspec.builders.build as b
+
+    root, _, _ = parts
+    calls, real = [], b.calibrate_routes
+
+    def recording(target, drafts_dir, candidates, cost=None, **kw):
+        calls.append((tuple(candidates), cost))
+        return real(target, drafts_dir, candidates, cost, per_domain=1, max_tokens=4, **kw)
+    monkeypatch.setattr(b, "calibrate_routes", recording)
+    m = b.build(str(root / "target"), str(root / "drafts"), str(tmp_path / "e"), str(root / "data"),
+                backends=("eager",), max_tokens=8, dcut=dcut)
+    routed = [cost for names, cost in calls if "mtp" in names]
+    assert len(calls) == 2 and len(routed) == 1 and set(m.router["routes"]) == {"chat", "code", "math"}
+    assert all((cost is not None) == dcut for _, cost in calls)
+    if dcut:
+        assert routed[0].n == m.dcut.profile["n"]
 def test_bench_cli_with_engine_concurrency_dcut_and_auto(parts, tmp_path):
     import subprocess
     import sys
