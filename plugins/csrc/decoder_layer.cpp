@@ -76,7 +76,7 @@ torch::Tensor DecoderStack::forward_blocks(const torch::Tensor& x, const torch::
                                            const torch::Tensor& slots, const torch::Tensor& positions,
                                            const torch::Tensor& ends) const {
   return run(x, cos, sin, positions, k_caches, v_caches, 0, {}, [&](int64_t n, int64_t S, int64_t M) {
-    static const torch::Tensor chain = torch::zeros({0}, torch::kLong);
+    const torch::Tensor chain = torch::zeros({0}, torch::kLong);  // no tree: chains
     AttentionPlan plan = plan_attention(slots, ends, chain, n, S, M, 0);
     const auto ps = positions.to(torch::kLong).contiguous();
     const int64_t* pp = ps.data_ptr<int64_t>();

@@ -59,7 +59,7 @@ struct MTPDraft : torch::CustomClassHolder {
   void forward(const torch::Tensor& x, const torch::Tensor& slots, const torch::Tensor& positions,
                const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& k_cache,
                const torch::Tensor& v_cache, float* out) const {
-    static const torch::Tensor chain = torch::zeros({0}, torch::kLong);
+    const torch::Tensor chain = torch::zeros({0}, torch::kLong);  // no tree: chains
     for (int64_t a = 0, n = x.size(0); a < n; a += max_rows) {
       const int64_t b = std::min(n, a + max_rows);
       const auto pos = positions.slice(0, a, b);
