@@ -17,19 +17,15 @@ def prepare_mtp_draft(embed: torch.Tensor, enorm: torch.Tensor, hnorm: torch.Ten
                       final_norm: torch.Tensor, head, vocab_ids: torch.Tensor, eps: float):
     """embed [V, h] float32; the norms' weights [h]; fuse [h, 2h] and head [Vd, h] any weight
     `linear` takes; stack: the draft layer as a one-layer DecoderStack (prepare_stack);
-    vocab_ids [Vd]: the target id of each head row."""
+    vocab_ids [Vd]: the target id of each head row. Its `draft(hidden, next_tokens, slots,
+    positions, last, steps, width, cos, sin, k_cache, v_cache)`: hidden [N, h] the target's
+    features at N newly committed positions of R requests (each request's in position order),
+    next_tokens [N] the token after each, at (slots, positions); last [R] each request's newest
+    row -> (tokens [R, steps, width] target ids, confidence [R, steps, width]), the best `width`
+    guesses at each step of each request's greedy chain, rolled out from its newest row in its
+    slot; it writes the layer's keys and values."""
     return torch.classes.angelspec.MTPDraft(embed, enorm.detach().float().contiguous(),
                                             hnorm.detach().float().contiguous(), *weight_args(fuse), stack,
                                             final_norm, *weight_args(head), vocab_ids.long().contiguous(),
                                             eps, SKINNY_MAX_ROWS)
 
-
-def mtp_draft(draft, hidden: torch.Tensor, next_tokens: torch.Tensor, slots: torch.Tensor,
-              positions: torch.Tensor, last: torch.Tensor, steps: int, width: int, cos: torch.Tensor,
-              sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """hidden [N, h]: the target's features at N newly committed positions of R requests (each
-    request's in position order), next_tokens [N] the token after each, at (slots, positions);
-    last [R]: each request's newest row -> (tokens [R, steps, width] target ids, confidence [R,
-    steps, width]), the draft's best `width` guesses at each step of each request's greedy
-    chain, rolled out from its newest row in its slot; writes the layer's keys and values."""
-    return tuple(draft.draft(hidden, next_tokens, slots, positions, last, steps, width, cos, sin, k_cache, v_cache))

@@ -307,8 +307,8 @@ def test_drafts_serve_in_the_engines_quantized_scheme_losslessly(target8, tmp_pa
     target.model.serve("w4a8")
     drafter = make_drafter(kind, None, target, tmp_path)
     layers = [m for m in drafter.model.modules() if isinstance(m, Linear)]
-    assert layers and all(isinstance(m.served, QuantWeight) and m.served.int8_activations
-                          and m.served.bits == 4 for m in layers)
+    assert layers and all(isinstance(m.serving_weight, QuantWeight) and m.serving_weight.int8_activations
+                          and m.serving_weight.bits == 4 for m in layers)
     assert isinstance(drafter.frozen.head_mm, QuantWeight) and drafter.frozen.head_mm.bits == 8
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(1, 96, (n,), generator=g).tolist() for n in (4, 20)]

@@ -12,14 +12,20 @@ from angelspec.plugins import linear, served
 
 class Linear(nn.Linear):
     """nn.Linear that serves through the skinny kernel (a draft forward has a few rows, where
-    the BLAS routine is slow on these CPUs) and trains through autograd as usual. `served`: the
-    weight as the engine serves its own (plugins.served: bf16 tiles, a quantized scheme), set
-    when a draft is loaded for serving."""
-    served = None
+    the BLAS routine is slow on these CPUs) and trains through autograd as usual. `scheme`: the
+    engine's weights, set when a draft is loaded for serving; `serving_weight` is the weight as
+    the engine serves its own (plugins.served: bf16 tiles, a quantized scheme), converted on first
+    use (a draft's one-call paths serve most layers from stacked copies of their own)."""
+    scheme = "float32"
+    _served = None
 
     @property
     def serving_weight(self):
-        return self.weight if self.served is None else self.served
+        if self.scheme == "float32":
+            return self.weight
+        if self._served is None:
+            self._served = served(self.weight.detach(), self.scheme)
+        return self._served
 
     def forward(self, x):
         return linear(x, self.serving_weight, self.bias)

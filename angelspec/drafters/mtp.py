@@ -14,7 +14,7 @@ from angelspec.drafters.modules import DecoderLayer, Linear, RMSNorm
 from angelspec.drafters.trained import SlotCache, TrainedDrafter, layer_stack
 from angelspec.plugins import SKINNY_MAX_ROWS
 from angelspec.plugins.decoder_layer import decoder_stack
-from angelspec.plugins.mtp_draft import mtp_draft, prepare_mtp_draft
+from angelspec.plugins.mtp_draft import prepare_mtp_draft
 
 
 class MTP(nn.Module):
@@ -116,8 +116,8 @@ class MTPDrafter(TrainedDrafter):
         newest = torch.tensor([len(p) for p in poss]).cumsum(0) - 1  # its row
         if b == 1 and all(s.params.greedy for s in states):
             layer.cache.fit(slot)
-            tokens, conf = mtp_draft(self.fused, hid, nxt, slot, pos, newest, steps, 1, layer.cos, layer.sin,
-                                     layer.cache.k, layer.cache.v)
+            tokens, conf = self.fused.draft(hid, nxt, slot, pos, newest, steps, 1, layer.cos, layer.sin,
+                                            layer.cache.k, layer.cache.v)
             return [Proposal(t[:, 0], c[:, 0]) for t, c in zip(tokens, conf)]
         x = model.inputs(fz.embed[nxt], hid)
         out = layer(x.repeat(b, 1), torch.cat([slot + j for j in range(b)]), pos.repeat(b))

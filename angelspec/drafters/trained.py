@@ -105,10 +105,9 @@ class TrainedDrafter(Drafter):
         self.capture = tuple(cfg.target_layers)
         # the engine's precision and kernels (bf16 tiles, a quantized scheme): the draft's
         # numbers never change what is committed, only how fast it drafts
-        if target.model.weights != "float32":
-            for m in self.model.modules():
-                if isinstance(m, Linear):
-                    m.served = served(m.weight.detach(), target.model.weights)
+        for m in self.model.modules():
+            if isinstance(m, Linear):
+                m.scheme = target.model.weights
 
     def choose(self, logits: torch.Tensor, states: list, ids: torch.Tensor | None = None):
         """The best `branches` tokens [R, ..., branches] from draft logits [R, ..., m] of R
