@@ -16,6 +16,16 @@ up, one of its requests drafts as a probe and refreshes the estimates. Skipping 
 always lossless: a request that does not draft gets its next token from the verification
 forward, exactly as `none`. Only used with D-cut (D-cut off means fixed draft lengths).
 
+The estimates of k and a average a drafting drafter's last ~WINDOW requests (a step of n
+requests weighs 1 - (1 - 1/WINDOW)^n; the plain mean of its first WINDOW): one request's
+accepted count is 0 or a whole run, and a few misses in a row on a shorter average benched a
+drafter whose tokens paid (MTP at one request, accepting ~0.4 tokens a step where ~0.25 paid,
+sat out 46% of the steps). A probe's counts, the only ones in a while, weigh FAST. The time t
+follows its steps' times with weight FAST, but not a step where one of its requests proposed for
+the first time (it catches the drafter up on the whole prompt, a prefill's work: 4-9 ms for MTP
+at one request against ~0.7 ms a step), and a probe, which catches up on every step it sat out,
+may only lower it. A drafter whose time is not known yet drafts.
+
 A drafter whose drafting costs at most CHEAP of the step (ngram: ~50 us a request) drafts as
 long as D-cut keeps some of its tokens (at least KEPT a request, on average): what its drafts
 cost to verify is D-cut's call, made on each draft's own confidence. Judged by running estimates
@@ -31,7 +41,8 @@ by what it brings.
 from __future__ import annotations
 
 MAX_BACKOFF = 32
-EMA = 0.3  # weight of the newest observation
+WINDOW = 32  # requests a drafting drafter's counts average over
+FAST = 0.3  # weight of a step's time, and of a probe's counts
 CHEAP = 0.05  # drafting below this fraction of the step's time is not judged by what it brings
 KEPT = 0.05  # while D-cut keeps at least this many of its tokens a request (running average)
 
@@ -39,9 +50,11 @@ KEPT = 0.05  # while D-cut keeps at least this many of its tokens a request (run
 class DraftGate:
     def __init__(self, cost):
         self.cost = cost  # C(n): seconds of a verification forward over n tokens
-        self.est: dict[str, tuple[float, float, float]] = {}  # name -> (t, k, a) per request
+        self.est: dict[str, tuple[float | None, float, float]] = {}  # name -> (t, k, a) per request
         self.until: dict[str, int] = {}  # name -> first step it may draft again
         self.backoff: dict[str, int] = {}
+        self.probing: set[str] = set()  # drafters whose next observation is a probe's
+        self.seen: dict[str, int] = {}  # name -> requests observed
         self.skipped = 0  # requests that sat out a step (for benchmarks)
 
     def plan(self, step: int, names: list[str], t_fixed: float, cost=None) -> list[str]:
@@ -56,7 +69,7 @@ class DraftGate:
         out = list(names)
         B = len(names)
         tokens, seconds, kept = float(B), t_fixed + cost(B), 0.0
-        ranked = sorted((g for g in groups if g in self.est),
+        ranked = sorted((g for g in groups if g in self.est and self.est[g][0] is not None),
                         key=lambda g: self.est[g][2] / max(self.est[g][0], 1e-9), reverse=True)
         for g in ranked:
             idx = groups[g]
@@ -65,6 +78,7 @@ class DraftGate:
                 continue
             if self.until.get(g, -1) == step:  # its time is up: one request probes
                 self._skip(out, idx[1:])
+                self.probing.add(g)
                 continue
             t, k, a = self.est[g]
             n = len(idx)
@@ -84,10 +98,24 @@ class DraftGate:
             out[i] = "none"
         self.skipped += len(idx)
 
-    def observe(self, name: str, requests: int, seconds: float, kept: int, accepted: int) -> None:
-        """What one step's drafting with `name` cost and brought, over `requests` requests."""
+    def observe(self, name: str, requests: int, seconds: float, kept: int, accepted: int,
+                timed: bool = True) -> None:
+        """What one step's drafting with `name` cost and brought, over `requests` requests (timed:
+        whether `seconds` is a step's drafting cost; see the module's docstring)."""
         if name == "none" or not requests:
             return
-        new = (seconds / requests, kept / requests, accepted / requests)
-        old = self.est.get(name)
-        self.est[name] = new if old is None else tuple(EMA * x + (1 - EMA) * y for x, y in zip(new, old))
+        t, k, a = seconds / requests, kept / requests, accepted / requests
+        probe = name in self.probing
+        self.probing.discard(name)
+        seen = self.seen.get(name, 0) + requests
+        self.seen[name] = seen
+        if name not in self.est:
+            self.est[name] = (t if timed else None, k, a)
+            return
+        t0, k0, a0 = self.est[name]
+        w = FAST if probe else max(1 - (1 - 1 / WINDOW) ** requests, requests / seen)
+        if timed and t0 is None:
+            t0 = t
+        elif timed:
+            t0 = FAST * t + (1 - FAST) * t0 if not probe else min(t0, FAST * t + (1 - FAST) * t0)
+        self.est[name] = (t0, w * k + (1 - w) * k0, w * a + (1 - w) * a0)

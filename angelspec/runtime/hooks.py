@@ -71,16 +71,17 @@ class StepHooks:
             s.drafter = self.engine.router.observe(s.route, s.drafter, accepted, drafted, s.tokens,
                                                    self.curve)
 
-    def finished(self, names, props, verdicts, drafting: dict, book: dict, total: float,
+    def finished(self, names, props, verdicts, drafting: dict, book: dict, fresh: set, total: float,
                  t_draft: float, t_fwd: float, committed: int, n_tokens: int) -> None:
         """The step's end: the gate learns what each drafter cost (its proposals, `drafting`, and
-        the step's handling of its drafts, `book`: step.bookkeeping) and brought; T_fixed (the
-        rest of the step outside the forward) and the router's step costs move."""
+        the step's handling of its drafts, `book`: step.bookkeeping; not timed where a request
+        proposed for the first time, `fresh`) and brought; T_fixed (the rest of the step outside
+        the forward) and the router's step costs move."""
         if self.gate is not None:
             for name, seconds in drafting.items():
                 mine = [(len(p.tokens), v[0]) for n, p, v in zip(names, props, verdicts) if n == name]
                 self.gate.observe(name, len(mine), seconds + book.get(name, 0.0),
-                                  sum(k for k, _ in mine), sum(a for _, a in mine))
+                                  sum(k for k, _ in mine), sum(a for _, a in mine), timed=name not in fresh)
         stats = self.engine.stats
         stats.draft_time += t_draft
         stats.forward_time += t_fwd

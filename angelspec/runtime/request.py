@@ -61,6 +61,7 @@ class DrafterView:
 
     def __init__(self, req: RequestState):
         self.req, self.drafter_state = req, {}
+        self.proposed = False  # whether the drafter proposed for it yet (the gate times steps)
 
     def __getattr__(self, name):  # tokens, params, stats, n_prompt, ... of the request
         return getattr(self.req, name)

@@ -27,6 +27,8 @@ def speculative_step(engine, active: list[RequestState]) -> Committed:
     engine.stats.steps += 1
     # 1. draft (a request on its last token does not); the gate may sit a drafter out
     names = hooks.plan(active, [s.drafter if room(engine, s) else "none" for s in active])
+    # a request's first proposal catches its drafter up on the whole prompt: a prefill's work
+    fresh = {n for s, n in zip(active, names) if n != "none" and not s.view(n).proposed}
     props, drafting = propose(engine, active, names)
     failed = [(s, []) for s in active if s.finish_reason == "error"]  # its drafter raised
     if failed:  # those requests end with its error; the others step on
@@ -81,7 +83,7 @@ def speculative_step(engine, active: list[RequestState]) -> Committed:
         hooks.committed(s, accepted, len(p.tokens))
         out.append((s, committed))
         row += len(mine)
-    hooks.finished(names, props, verdicts, drafting, book, time.perf_counter() - t_start, t_draft,
+    hooks.finished(names, props, verdicts, drafting, book, fresh, time.perf_counter() - t_start, t_draft,
                    t_fwd, sum(len(c) for _, c in out), len(tokens))
     return out + failed
 
@@ -131,6 +133,8 @@ def propose(engine, active: list[RequestState], names: list[str],
         try:
             for i, p in zip(idx, engine.drafter(name).propose(views), strict=True):
                 props[i] = p
+            for v in views:
+                v.proposed = True
         except Exception as exc:  # noqa: BLE001 - these requests fail, the batch goes on
             for i in idx:
                 if not shadow:
