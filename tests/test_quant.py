@@ -57,7 +57,7 @@ def test_quant_dot_linear_is_int8_activations_times_the_weights_row_exact(scheme
         ref = int8_activations(x).double() @ w.dequantized().double().T
         assert torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-4 * ref.abs().max().item()), (scheme, out_f)
         assert torch.equal(y[5], torch.zeros(out_f))
-        for a, b in ((0, 1), (0, 2), (3, 10), (18, 19), (1, 133)):
+        for a, b in ((0, 1), (0, 2), (3, 10), (18, 19), (20, 26), (1, 133)):
             assert torch.equal(ops.linear(x[a:b], w), y[a:b]), (scheme, out_f, a, b)
     weight_only = scheme.replace("w8a8", "int8").replace("w4a8", "int4")
     assert not ops.quantize(torch.randn(8, 64, generator=g), weight_only).int8_activations
@@ -92,7 +92,7 @@ for scheme in ("w8a8", "w4a8"):
         w = ops.quantize(torch.randn(out_f, in_f, generator=g), scheme)
         assert w.int8_activations
         x = torch.randn(40, in_f, generator=g)
-        for n in (1, 2, 5, 11, 16, 40):
+        for n in (1, 2, 5, 6, 7, 11, 16, 40):
             h.update(ops.linear(x[:n], w).numpy().tobytes())
 print(h.hexdigest())
 """

