@@ -37,6 +37,17 @@ class Target:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def chat_prefix(self) -> list[int]:
+        """The tokens every chat-templated prompt starts with (a system preamble: 24 tokens for
+        SmolLM2-Instruct), [] without a tokenizer or chat template."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            return []
+        a, b = self.encode_chat("Hello"), self.encode_chat("2 + 2 = ?")
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return a[:n]
+
     def tokenizer_hash(self) -> str:
         """SHA-256 of tokenizer.json: the vocabulary drafts and datastores must share (a draft's
         own config checks the rest of what it needs: hidden size, layers)."""

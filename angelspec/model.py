@@ -137,6 +137,20 @@ class KVCache:
         """Layer's keys as [slots, kv_heads, head_dim, positions] (a copy)."""
         return keys(self.k[layer])
 
+    def save(self, slot: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The entries of slot's first n positions, every layer (copies, for `restore`)."""
+        tiles = -(-n // KEY_TILE)
+        return [(k[slot, :, :tiles].clone(), v[slot, :, :n].clone()) for k, v in zip(self.k, self.v)]
+
+    def restore(self, slot: int, saved: list[tuple[torch.Tensor, torch.Tensor]], n: int) -> None:
+        """Write `save`'s entries of n positions back as slot's first n positions."""
+        full, part = divmod(n, KEY_TILE)
+        for k, v, (sk, sv) in zip(self.k, self.v, saved):
+            k[slot, :, :full] = sk[:, :full]
+            if part:
+                k[slot, :, full, :, :part] = sk[:, full, :, :part]
+            v[slot, :, :n] = sv
+
 
 @dataclass
 class Segment:

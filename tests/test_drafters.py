@@ -518,3 +518,37 @@ def test_ngram_indexes_a_prompt_at_prefill_not_while_drafting(tiny):
     ref = eng.generate([Request(p, SamplingParams(max_tokens=12), "none") for p in prompts])
     assert [r.tokens for r in out] == [r.tokens for r in ref]
     assert behind and max(behind) <= 3 + 1  # a step commits at most its draft and the bonus token
+
+
+@pytest.mark.parametrize("kind", ["mtp", "dfly"])
+def test_a_cached_prompt_prefix_changes_nothing(target8, tmp_path, kind):
+    """Prompts that start with the engine's prompt prefix (a chat template's preamble) take its
+    keys, values and hidden states from the cache instead of prefilling them: the same tokens, and
+    the same drafts (the drafters saw the same features: the same drafted and accepted counts),
+    as without the cache, packed or alone; a prompt that is the prefix, or that does not start
+    with it, prefills whole."""
+    cfg, model = draft(target8, kind, vocab=60)
+    save_draft(tmp_path / cfg.kind, cfg, model.state_dict())
+    g = torch.Generator().manual_seed(8)
+    prefix = torch.randint(1, 96, (21,), generator=g).tolist()
+    prompts = [prefix + torch.randint(1, 96, (n,), generator=g).tolist() for n in (1, 9, 60)]
+    prompts += [prefix, prefix[:5] + [7, 8], prefix + [3]]
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    runs = []
+    for batch, cached in ((3, None), (1, prefix), (3, prefix)):
+        eng = Engine(target8, max_batch=batch, max_len=200, drafts=str(tmp_path), prompt_prefix=cached)
+        out = eng.generate([Request(p, params, kind) for p in prompts])
+        runs.append([(r.tokens, r.stats.drafted, r.stats.accepted) for r in out])
+        assert eng.stats.prefix_hits == (4 if cached else 0)
+    assert runs[1] == runs[0] and runs[2] == runs[0]
+    assert sum(d for _, d, _ in runs[0]) > 0
+    # the cache holds what a whole prefill writes, bit for bit
+    caches = []
+    for cached in (None, prefix):
+        eng = Engine(target8, max_batch=1, max_len=200, prompt_prefix=cached)
+        eng.generate([Request(prompts[2], SamplingParams(max_tokens=1))])
+        caches.append(eng.cache)
+    n = len(prompts[2])
+    for layer in range(target8.config.num_layers):
+        assert torch.equal(caches[0].keys(layer)[0, :, :, :n], caches[1].keys(layer)[0, :, :, :n])
+        assert torch.equal(caches[0].v[layer][0, :, :n], caches[1].v[layer][0, :, :n])

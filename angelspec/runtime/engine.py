@@ -38,6 +38,9 @@ class Engine:
 
     dcut: trim each step's drafts with D-cut against `cost` (C(n), profiled now if not given).
     draft_lens: draft length per drafter kind (an engine's tuned ngram length), below draft_len.
+    prompt_prefix: tokens many prompts start with (a chat template's preamble, Target.chat_prefix):
+    computed once, their keys, values and hidden states are copied into a prompt's slot instead of
+    prefilled (the kernels are row-exact, so the entries are the ones a whole prefill writes).
     """
 
     def __init__(self, target: Target, max_batch: int = 8, max_len: int = DEFAULT_MAX_LEN,
@@ -45,7 +48,8 @@ class Engine:
                  drafts: str | None = None, dcut: bool = False, cost: CostTable | None = None,
                  router: Router | None = None, draft_lens: dict[str, int] | None = None,
                  kinds: set[str] | None = None, max_drafters: int = 16, adapt_threads: bool = True,
-                 default_drafter: str = "none", manifest: EngineManifest | None = None):
+                 default_drafter: str = "none", manifest: EngineManifest | None = None,
+                 prompt_prefix: list[int] | None = None):
         self.target, self.model = target, target.model
         self.max_batch = max_batch
         self.max_len = min(max_len, self.model.max_len)
@@ -76,6 +80,8 @@ class Engine:
         self.pending: deque[RequestState] = deque()  # admitted, waiting for a slot
         self.active: list[RequestState] = []  # holding a slot, decoding
         self.free = list(range(max_batch - 1, -1, -1))  # free cache slots (slot 0 first)
+        self.prompt_prefix = list(prompt_prefix or [])
+        self._prefix = None  # (saved KV entries, {layer: hidden [P, h]}) once computed
 
     # -- requests ---------------------------------------------------------------------------
     def drafter_key(self, name: str) -> str:
@@ -270,7 +276,7 @@ class Engine:
         kernels (SKINNY_MAX_ROWS rows); a longer prompt goes alone, exactly as at batch 1."""
         group, rows = [], 0
         while pending and free:
-            n = len(pending[0].tokens)
+            n = len(pending[0].tokens) - self._cached(pending[0])
             if group and rows + n > SKINNY_MAX_ROWS:
                 break
             s = pending.popleft()
@@ -281,23 +287,50 @@ class Engine:
                 break
         return group
 
+    def _cached(self, s: RequestState) -> int:
+        """Leading prompt positions of s that come from the prompt prefix cache (0: none)."""
+        p = len(self.prompt_prefix)
+        return p if p and len(s.tokens) > p and s.tokens[:p] == self.prompt_prefix else 0
+
     def _prefill(self, group: list[RequestState]) -> list[list[int]]:
-        """Prompt forward for a group of requests; each samples its first token."""
-        lengths = [len(s.tokens) for s in group]
-        batch = self.model.batch([Segment(s.slot, 0, n) for s, n in zip(group, lengths)])
-        last = torch.tensor(lengths).cumsum(0) - 1
+        """Prompt forward for a group of requests (each from its cached prefix on); each samples
+        its first token."""
         t0 = time.perf_counter()
-        logits, hidden = self.model.forward(torch.tensor([t for s in group for t in s.tokens]),
+        starts = [self._cached(s) for s in group]
+        if any(starts):
+            saved, prefix_hidden = self._prompt_prefix(next(s.slot for s, c in zip(group, starts) if c))
+            for s, c in zip(group, starts):
+                if c:
+                    self.cache.restore(s.slot, saved, c)
+            self.stats.prefix_hits += sum(1 for c in starts if c)
+        lengths = [len(s.tokens) - c for s, c in zip(group, starts)]
+        batch = self.model.batch([Segment(s.slot, c, n) for s, c, n in zip(group, starts, lengths)])
+        last = torch.tensor(lengths).cumsum(0) - 1
+        logits, hidden = self.model.forward(torch.tensor([t for s, c in zip(group, starts) for t in s.tokens[c:]]),
                                             batch, self.cache, logit_rows=last,
                                             capture=self.capture(group))
         self.stats.prefill_time += time.perf_counter() - t0
-        out, start = [], 0
-        for i, (s, n) in enumerate(zip(group, lengths)):
+        out, row = [], 0
+        for i, (s, c, n) in enumerate(zip(group, starts, lengths)):
             new = self.commit(s, [self._sample_one(logits[i], s)])
-            self.feed_drafters(s, hidden, slice(start, start + n))
+            mine = {l: h[row: row + n] for l, h in hidden.items()}
+            if c:
+                mine = {l: torch.cat([prefix_hidden[l], h]) for l, h in mine.items()}
+            self.feed_drafters(s, mine, slice(None))
             out.append(new)
-            start += n
+            row += n
         return out
+
+    def _prompt_prefix(self, slot: int):
+        """The prompt prefix's saved KV entries and hidden states (every layer's), computed on
+        first use in `slot` (whose prompt starts with it)."""
+        if self._prefix is None:
+            p = len(self.prompt_prefix)
+            _, hidden = self.model.forward(torch.tensor(self.prompt_prefix), self.model.batch([Segment(slot, 0, p)]),
+                                           self.cache, logit_rows=torch.tensor([p - 1]),
+                                           capture=tuple(range(self.model.cfg.num_layers + 1)))
+            self._prefix = (self.cache.save(slot, p), {l: h.clone() for l, h in hidden.items()})
+        return self._prefix
 
     def _sample_one(self, logits: torch.Tensor, s: RequestState) -> int:
         if s.params.greedy:

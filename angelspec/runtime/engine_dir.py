@@ -80,5 +80,6 @@ def load_engine(path: str | pathlib.Path, max_batch: int = 8, max_len: int = DEF
                     router=router, draft_lens={k: d.draft_len for k, d in manifest.drafters.items()
                                                if d.draft_len},
                     kinds=set(manifest.drafters) | {"none", "ngram"},
-                    default_drafter=manifest.defaults.drafter, manifest=manifest)
+                    default_drafter=manifest.defaults.drafter, manifest=manifest,
+                    prompt_prefix=target.chat_prefix())
     return engine

@@ -30,6 +30,7 @@ class EngineStats:
     """The engine's counters since it started."""
     steps: int = 0  # verification forwards (one serves every active request)
     prefill_time: float = 0.0  # seconds in prompt forwards (benchmarks separate decoding)
+    prefix_hits: int = 0  # prompts whose cached prefix (the engine's prompt_prefix) was not prefilled
     dcut_drafted: int = 0  # draft tokens D-cut was offered
     dcut_kept: int = 0  # ... and kept
     draft_time: float = 0.0  # seconds drafting in steps (shadow drafts and the gate's plan too)
