@@ -401,7 +401,8 @@ def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_t
             run.close_batch(chunk, mark)
     ref = runs[0].outputs
     if batch_size > 1:  # the lossless reference is always batch-1 autoregressive decoding
-        ref_run, single = Run("ar", len(ids)), Engine(target, max_batch=1, max_len=engine.max_len)
+        ref_run = Run("ar", len(ids))
+        single = Engine(target, max_batch=1, max_len=engine.max_len, prompt_prefix=engine.prompt_prefix)
         for domain, chunk in tqdm(chunks(prompts, 1), desc="reference (ar, batch 1)",
                                   file=sys.stderr):
             run_engine_chunk(single, ref_run, ids, chunk, domain, max_tokens, sampling)

@@ -132,7 +132,8 @@ def _generate(target, chunks, todo, gen, layers, batch_size, max_len, shard_size
     response ids)], {layer: features}, seconds since the previous yield) as soon as chunk k's
     last request finishes."""
     recorder = FeatureRecorder(make_drafter(gen["drafter"], None, target), layers)
-    engine = Engine(target, max_batch=batch_size, max_len=max_len, drafters={"record": recorder})
+    engine = Engine(target, max_batch=batch_size, max_len=max_len, drafters={"record": recorder},
+                    prompt_prefix=target.chat_prefix())
     settle_heap()
     reqs, owner = [], []
     for k in todo:
