@@ -229,6 +229,15 @@ def test_route_calibration_does_not_time_loading_a_drafter(parts, monkeypatch):
     assert speed["chat"]["ngram"] > 40  # 8 tokens in over a second would be < 8 tokens/s
 
 
+def test_a_trained_drafter_takes_a_route_from_ngram_only_by_a_margin():
+    """A few percent is the route calibration's noise: ngram (no forward of its own) keeps a
+    domain unless a trained drafter is faster by more than ROUTE_MARGIN."""
+    from angelspec.builders.build import ROUTE_MARGIN, route
+
+    assert route({"mtp": 230.7, "dfly": 244.3, "ngram": 239.2}) == "ngram"
+    assert route({"mtp": 239.2 * (1 + 2 * ROUTE_MARGIN), "ngram": 239.2}) == "mtp"
+    assert route({"mtp": 200.0, "dfly": 210.0}) == "dfly"
+
 
 @pytest.mark.parametrize("dcut", [True, False])
 def test_routes_are_measured_as_the_engine_serves(parts, tmp_path, monkeypatch, dcut):
