@@ -87,8 +87,11 @@ def test_gate_times_steps_not_a_requests_catch_up_on_its_prompt():
     (catching up on every step it sat out) do not make the drafter look dear: the first is not
     timed (a drafter whose time is unknown drafts), a probe may only lower its time."""
     gate = DraftGate(lambda n: 0.004 + 0.0004 * (n - 1))
-    gate.observe("mtp", 1, seconds=0.009, kept=1, accepted=0, timed=False)  # 9 ms: the prompt
+    gate.observe("mtp", 1, seconds=0.009, kept=1, accepted=1, timed=False)  # 9 ms: the prompt
     assert gate.est["mtp"][0] is None and gate.plan(1, ["mtp"], 0.0005) == ["mtp"]
+    idle = DraftGate(lambda n: 0.004 + 0.0004 * (n - 1))  # judged as if free: by what it brings
+    idle.observe("ngram", 16, seconds=0.001, kept=0, accepted=0, timed=False)
+    assert idle.plan(1, ["ngram"] * 16, 0.0005) == ["none"] * 16
     gate.observe("mtp", 1, seconds=0.0007, kept=1, accepted=1)
     assert gate.est["mtp"][0] == pytest.approx(0.0007)
     for step in range(2, 40):  # it stops paying: benched, then probes

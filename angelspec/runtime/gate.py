@@ -24,7 +24,9 @@ sat out 46% of the steps). A probe's counts, the only ones in a while, weigh FAS
 follows its steps' times with weight FAST, but not a step where one of its requests proposed for
 the first time (it catches the drafter up on the whole prompt, a prefill's work: 4-9 ms for MTP
 at one request against ~0.7 ms a step), and a probe, which catches up on every step it sat out,
-may only lower it. A drafter whose time is not known yet drafts.
+may only lower it. A drafter whose time is not known yet is judged as if drafting were free (at
+16 requests in flight with requests joining every few steps, most steps were untimed, and a
+drafter left unjudged drafted on every step although D-cut kept none of its tokens).
 
 A drafter whose drafting costs at most CHEAP of the step (ngram: ~50 us a request) drafts as
 long as D-cut keeps some of its tokens (at least KEPT a request, on average): what its drafts
@@ -69,8 +71,8 @@ class DraftGate:
         out = list(names)
         B = len(names)
         tokens, seconds, kept = float(B), t_fixed + cost(B), 0.0
-        ranked = sorted((g for g in groups if g in self.est and self.est[g][0] is not None),
-                        key=lambda g: self.est[g][2] / max(self.est[g][0], 1e-9), reverse=True)
+        est = {g: (t or 0.0, k, a) for g, (t, k, a) in self.est.items() if g in groups}
+        ranked = sorted(est, key=lambda g: est[g][2] / max(est[g][0], 1e-9), reverse=True)
         for g in ranked:
             idx = groups[g]
             if step < self.until.get(g, 0):  # sitting out
@@ -80,7 +82,7 @@ class DraftGate:
                 self._skip(out, idx[1:])
                 self.probing.add(g)
                 continue
-            t, k, a = self.est[g]
+            t, k, a = est[g]
             n = len(idx)
             add_s = n * t + cost(B + kept + n * k) - cost(B + kept)
             if (n * t <= CHEAP * seconds and k >= KEPT) or (tokens + n * a) * seconds > tokens * (seconds + add_s):
