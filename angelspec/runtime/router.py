@@ -39,7 +39,11 @@ DEFAULT_ROUTES = {"chat": "mtp", "code": "dfly", "math": "dfly"}
 # not candidates: on 2026-12-02 (AMX, bf16, quick drafts) they never won a domain's measurement,
 # and as contenders their shadow drafts cost `auto` 11% at batch 1 (docs/results)
 CANDIDATES = ("mtp", "dfly", "ngram")
-CONTEND = 0.2  # a drafter within 20% of a domain's fastest (build measurement) stays a contender
+# a drafter within 10% of a domain's fastest (build measurement) stays a contender: twice the
+# measurement's noise (build.ROUTE_MARGIN). At 20%, with D-cut bunching the measured speeds,
+# trained drafters 14-18% slower than ngram contended in code and math too, and following and
+# shadow-drafting for every request there cost `auto` ~4-7% against ngram alone (AVX-512 EPYC)
+CONTEND = 0.1
 ALWAYS_CONTENDS = ("ngram",)  # costs next to nothing to shadow-draft
 MOVE_AFTER = 2  # requests of a domain in a row that ended on another drafter move its route there
 
