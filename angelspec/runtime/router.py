@@ -42,7 +42,7 @@ CANDIDATES = ("mtp", "dfly", "ngram")
 # a drafter within 10% of a domain's fastest (build measurement) stays a contender: twice the
 # measurement's noise (build.ROUTE_MARGIN). At 20%, with D-cut bunching the measured speeds,
 # trained drafters 14-18% slower than ngram contended in code and math too, and following and
-# shadow-drafting for every request there cost `auto` ~4-7% against ngram alone (AVX-512 EPYC)
+# shadow-drafting for every request there cost `auto` 5-11% against ngram alone (AVX-512 EPYC)
 CONTEND = 0.1
 ALWAYS_CONTENDS = ("ngram",)  # costs next to nothing to shadow-draft
 MOVE_AFTER = 2  # requests of a domain in a row that ended on another drafter move its route there
