@@ -40,7 +40,9 @@ class Engine:
     draft_lens: draft length per drafter kind (an engine's tuned ngram length), below draft_len.
     prompt_prefix: tokens many prompts start with (a chat template's preamble, Target.chat_prefix):
     computed once, their keys, values and hidden states are copied into a prompt's slot instead of
-    prefilled (the kernels are row-exact, so the entries are the ones a whole prefill writes).
+    prefilled (where prefill is row-exact, the entries a whole prefill writes; above
+    SKINNY_MAX_ROWS BLAS prefill of float32 / weight-only / bf16-without-AMX weights rounds by row
+    count, and the entries are this engine's own, the same for every request and drafter).
     """
 
     def __init__(self, target: Target, max_batch: int = 8, max_len: int = DEFAULT_MAX_LEN,

@@ -116,8 +116,7 @@ class DraftGate:
             return
         t0, k0, a0 = self.est[name]
         w = FAST if probe else max(1 - (1 - 1 / WINDOW) ** requests, requests / seen)
-        if timed and t0 is None:
-            t0 = t
-        elif timed:
-            t0 = FAST * t + (1 - FAST) * t0 if not probe else min(t0, FAST * t + (1 - FAST) * t0)
+        if timed:
+            blended = t if t0 is None else FAST * t + (1 - FAST) * t0
+            t0 = min(t0, blended) if probe and t0 is not None else blended
         self.est[name] = (t0, w * k + (1 - w) * k0, w * a + (1 - w) * a0)
