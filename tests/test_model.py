@@ -84,6 +84,37 @@ def test_each_layer_as_one_op_computes_what_the_ops_one_by_one_compute(tmp_path,
         assert all(torch.equal(x, y) for x, y in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v))
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_the_one_region_forward_of_int8_dot_layers_computes_what_the_ops_compute(tmp_path, threads):
+    """w8a8 / w4a8 forwards of up to 16 rows run every layer in one parallel region, the threads
+    sharing each matmul's tiles and the attention's items (plugins/csrc/decoder_layer.cpp's
+    run_region): bit for bit the op-by-op loop's logits, hidden states and caches, at any thread
+    count (3 threads split 2 kv heads' items unevenly), for 1 to 16 rows, several requests and a
+    token tree; 17 rows take the per-op path and agree too."""
+    make_checkpoint(tmp_path, **VARIANTS["llama_linear_rope_bias"])  # biases: added once, by one thread
+    cfg = read_config(tmp_path)
+    base = Llama(cfg, read_weights(tmp_path), max_len=128)
+    ids = torch.randint(0, cfg.vocab_size, (60,), generator=torch.Generator().manual_seed(5))
+    outer = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for weights in ["w8a8", "w4a8"]:
+            fused, ops = base.served_as(weights), base.served_as(weights)
+            ops.fused = False
+            caches = [m.new_cache(3, 64) for m in (fused, ops)]
+            steps = [(ids[:20], [Segment(0, 0, 20)]), (ids[20:21], [Segment(0, 20, 1)]),
+                     (ids[21:37], [Segment(0, 21, 16)]), (ids[:17], [Segment(1, 0, 17)]),
+                     (ids[37:40], [Segment(0, 37, 1), Segment(1, 17, 2)]),
+                     (ids[40:45], [Segment(0, 38, 5, parents=torch.tensor([-1, 0, 0, 1, 2]))])]
+            for toks, segs in steps:
+                a, ha = fused.forward(toks, fused.batch(segs), caches[0], capture=(1, cfg.num_layers))
+                b, hb = ops.forward(toks, ops.batch(segs), caches[1], capture=(1, cfg.num_layers))
+                assert torch.equal(a, b) and all(torch.equal(ha[k], hb[k]) for k in hb), (weights, len(toks))
+            assert all(torch.equal(x, y) for x, y in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v))
+    finally:
+        torch.set_num_threads(outer)
+
+
 def test_the_layer_stack_names_a_captured_layer_it_does_not_have(tmp_path):
     make_checkpoint(tmp_path)
     cfg = read_config(tmp_path)

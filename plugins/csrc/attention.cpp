@@ -46,13 +46,10 @@ inline void narrow(float x, uint16_t* to) {
   *to = static_cast<uint16_t>(u >> 16);
 }
 
-// Writes this forward's keys and values into the caches, then attends (element type T).
+// Writes this forward's keys and values into the caches (element type T).
 template <class T>
-void write_and_attend(const float* ks, const float* vs, T* kd, T* vd, const float* qp, float* op,
-                      const int64_t* slp, const int64_t* pp, const int64_t* wp, const std::vector<int64_t>& hi,
-                      const std::vector<int64_t>& tbeg, const std::vector<int64_t>& tree,
-                      bool is_tree, int64_t N, int64_t H, int64_t Hkv, int64_t M, int64_t D,
-                      int64_t window, int64_t longest, int64_t widest) {
+void write_kv(const float* ks, const float* vs, T* kd, T* vd, const int64_t* slp, const int64_t* wp, int64_t N,
+              int64_t Hkv, int64_t M, int64_t D) {
   for (int64_t n = 0; n < N; ++n)
     for (int64_t h = 0; h < Hkv; ++h) {
       const int64_t head = (slp[n] * Hkv + h) * M * D, src = (n * Hkv + h) * D;
@@ -60,42 +57,81 @@ void write_and_attend(const float* ks, const float* vs, T* kd, T* vd, const floa
       for (int64_t d = 0; d < D; ++d) narrow(ks[src + d], kcol + d * kKeyTile);
       for (int64_t d = 0; d < D; ++d) narrow(vs[src + d], vd + head + wp[n] * D + d);
     }
+}
+
+// Each query head of a kv head's group in how many parts: one row on a few threads (3 kv heads
+// on 2) splits a kv head's query heads in two, so the threads share 5:4 query heads instead of
+// 2:1 kv heads.
+int64_t parts_for(int64_t N, int64_t H, int64_t Hkv, int64_t threads) {
+  const int64_t items = N * Hkv;
+  return items % threads && items < 4 * threads && H / Hkv > 1 ? 2 : 1;
+}
+
+// Work items [a, b) of N * Hkv * parts (attend_items'), on the calling thread.
+template <class T>
+void attend_range(const AttentionPlan& plan, const float* qp, const T* kd, const T* vd, float* op, int64_t H,
+                  int64_t Hkv, int64_t M, int64_t D, int64_t window, int64_t parts, int64_t a, int64_t b) {
+  const int64_t N = static_cast<int64_t>(plan.slots.size());
   const float scale = 1.0f / std::sqrt(float(D));
   auto* fn = use_avx512() ? static_cast<decltype(&attend_items<V256, T>)>(&attend_items_avx512)
                           : &attend_items<V256, T>;
-  // one row on a few threads (3 kv heads on 2): a kv head's query heads in two parts, so the
-  // threads share 5:4 query heads instead of 2:1 kv heads
-  const int64_t items = N * Hkv, threads = at::get_num_threads();
-  const int64_t parts = items % threads && items < 4 * threads && H / Hkv > 1 ? 2 : 1;
-  at::parallel_for(0, items * parts, 1, [&](int64_t a, int64_t b) {
-    // denormals read and written as zero while this thread attends: where a row attends sharply
-    // (a draft's block to itself), its first keys' weights times their values are below
-    // float32's normal range, and summing those took the CPU's slow path at every step (a DFly
-    // block's attention ran ~10x slower than with zeros). The same for every row, so row-exact.
-    const unsigned int csr = _mm_getcsr();
-    _mm_setcsr(csr | 0x8040u);  // FTZ | DAZ
-    std::vector<float> buf((H / Hkv) * (longest + 2 * kKeyTile));
-    std::vector<const T*> rows(widest);
-    fn(qp, kd, vd, op, slp, pp, is_tree ? hi.data() : nullptr, is_tree ? tbeg.data() : nullptr,
-       tree.data(), N, H, Hkv, parts, M, D, window, scale, a, b, buf.data(), rows.data());
-    _mm_setcsr(csr);
-  });
+  // denormals read and written as zero while this thread attends: where a row attends sharply
+  // (a draft's block to itself), its first keys' weights times their values are below
+  // float32's normal range, and summing those took the CPU's slow path at every step (a DFly
+  // block's attention ran ~10x slower than with zeros). The same for every row, so row-exact.
+  const unsigned int csr = _mm_getcsr();
+  _mm_setcsr(csr | 0x8040u);  // FTZ | DAZ
+  thread_local std::vector<float> buf;
+  thread_local std::vector<const T*> rows;
+  buf.resize((H / Hkv) * (plan.longest + 2 * kKeyTile));
+  rows.resize(plan.widest);
+  fn(qp, kd, vd, op, plan.slots.data(), plan.positions.data(), plan.is_tree ? plan.hi.data() : nullptr,
+     plan.is_tree ? plan.tbeg.data() : nullptr, plan.tree.data(), N, H, Hkv, parts, M, D, window, scale, a, b,
+     buf.data(), rows.data());
+  _mm_setcsr(csr);
+}
+
+const int64_t* writes(const AttentionPlan& plan) {
+  return plan.writes.empty() ? plan.positions.data() : plan.writes.data();
 }
 }  // namespace
+
+void write_rows_kv(const AttentionPlan& plan, const float* k, const float* v, void* k_cache, void* v_cache,
+                   bool bf16, int64_t Hkv, int64_t M, int64_t D) {
+  const int64_t N = static_cast<int64_t>(plan.slots.size());
+  if (bf16)
+    write_kv(k, v, static_cast<uint16_t*>(k_cache), static_cast<uint16_t*>(v_cache), plan.slots.data(),
+             writes(plan), N, Hkv, M, D);
+  else
+    write_kv(k, v, static_cast<float*>(k_cache), static_cast<float*>(v_cache), plan.slots.data(), writes(plan), N,
+             Hkv, M, D);
+}
+
+int64_t attention_items(const AttentionPlan& plan, int64_t H, int64_t Hkv, int64_t threads) {
+  const int64_t N = static_cast<int64_t>(plan.slots.size());
+  return N * Hkv * parts_for(N, H, Hkv, threads);
+}
+
+void attend_rows_range(const AttentionPlan& plan, const float* q, const void* k_cache, const void* v_cache,
+                       bool bf16, float* out, int64_t H, int64_t Hkv, int64_t M, int64_t D, int64_t window,
+                       int64_t threads, int64_t a, int64_t b) {
+  const int64_t parts = parts_for(static_cast<int64_t>(plan.slots.size()), H, Hkv, threads);
+  if (bf16)
+    attend_range(plan, q, static_cast<const uint16_t*>(k_cache), static_cast<const uint16_t*>(v_cache), out, H,
+                 Hkv, M, D, window, parts, a, b);
+  else
+    attend_range(plan, q, static_cast<const float*>(k_cache), static_cast<const float*>(v_cache), out, H, Hkv, M,
+                 D, window, parts, a, b);
+}
 
 void attend_rows(const AttentionPlan& plan, const float* q, const float* k, const float* v, void* k_cache,
                  void* v_cache, bool bf16, float* out, int64_t H, int64_t Hkv, int64_t M, int64_t D,
                  int64_t window) {
-  const int64_t N = static_cast<int64_t>(plan.slots.size());
-  const int64_t* wp = plan.writes.empty() ? plan.positions.data() : plan.writes.data();
-  if (bf16)
-    write_and_attend(k, v, static_cast<uint16_t*>(k_cache), static_cast<uint16_t*>(v_cache), q, out,
-                     plan.slots.data(), plan.positions.data(), wp, plan.hi, plan.tbeg, plan.tree, plan.is_tree, N, H,
-                     Hkv, M, D, window, plan.longest, plan.widest);
-  else
-    write_and_attend(k, v, static_cast<float*>(k_cache), static_cast<float*>(v_cache), q, out, plan.slots.data(),
-                     plan.positions.data(), wp, plan.hi, plan.tbeg, plan.tree, plan.is_tree, N, H, Hkv, M, D, window,
-                     plan.longest, plan.widest);
+  write_rows_kv(plan, k, v, k_cache, v_cache, bf16, Hkv, M, D);
+  const int64_t threads = at::get_num_threads();
+  at::parallel_for(0, attention_items(plan, H, Hkv, threads), 1, [&](int64_t a, int64_t b) {
+    attend_rows_range(plan, q, k_cache, v_cache, bf16, out, H, Hkv, M, D, window, threads, a, b);
+  });
 }
 
 // The keys each of N rows attends to in caches of S slots of M positions; slots, positions [N]:

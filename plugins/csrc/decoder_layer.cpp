@@ -5,6 +5,8 @@
 // no tensor is made and no framework code runs between two kernels. The arguments are checked
 // once a call, the attention's plan (each row's keys) built once for every layer.
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cstring>
@@ -18,6 +20,9 @@ namespace {
 void add_rows(const float* x, const float* y, float* z, int64_t count) {
   for (int64_t i = 0; i < count; ++i) z[i] = x[i] + y[i];
 }
+
+// Forwards of up to this many rows with int8 dot products run in one parallel region (run_region).
+constexpr int64_t kRegionRows = 16;
 }  // namespace
 
 DecoderStack::DecoderStack(std::vector<torch::Tensor> norms, double eps_, std::vector<torch::Tensor> weights,
@@ -58,6 +63,9 @@ DecoderStack::DecoderStack(std::vector<torch::Tensor> norms, double eps_, std::v
     layers.push_back(std::move(L));
   }
   inter = layers[0].mm[2].out / 2;
+  dot_only = true;
+  for (const Layer& L : layers)
+    for (const Matmul& m : L.mm) dot_only = dot_only && m.kind == 3;
 }
 
 std::vector<torch::Tensor> DecoderStack::forward(const torch::Tensor& x, const torch::Tensor& cos,
@@ -136,6 +144,11 @@ std::vector<torch::Tensor> DecoderStack::run(const torch::Tensor& x, const torch
   if (static_cast<int64_t>(buf.size()) < total) buf.resize(total);
   float *h = buf.data(), *qkv = h + sizes[0], *q = qkv + sizes[1], *k = q + sizes[2], *v = k + sizes[3],
         *attn = v + sizes[4], *mid = attn + sizes[5], *up = mid + sizes[6], *act = up + sizes[7];
+  if (dot_only && n <= kRegionRows && at::get_num_threads() > 1) {
+    float* const bufs[] = {h, qkv, q, k, v, attn, mid, up, act};
+    run_region(xp, cp, sp, rpp, n, kc.data(), vc.data(), bf16, M, window, plan, capture, out, bufs);
+    return out;
+  }
   for (int64_t l = 0; l < count; ++l) {
     const Layer& L = layers[l];
     rms_norm_rows(xp, L.in_norm, h, n, hidden, eps);
@@ -159,6 +172,80 @@ std::vector<torch::Tensor> DecoderStack::run(const torch::Tensor& x, const torch
       if (capture[c] == l + 1) out[1 + c] = out[0].clone();
   }
   return out;
+}
+
+// The layer loop of run, for few rows of int8 dot products: one parallel region for the whole
+// forward instead of one per matmul and attention (~150 a forward of 30 layers, each some
+// microseconds of threads starting late and joining). Thread 0 runs the steps between them (norms,
+// RoPE, x rounded to int8, adds: small at few rows) while the others wait at a barrier; every
+// thread then takes its share of a matmul's tiles or of the attention's work items. The same
+// kernels on the same numbers as run's loop, each output computed whole by one thread: the
+// same results bit for bit, however the work is shared.
+void DecoderStack::run_region(float* xp, const float* cp, const float* sp, const int64_t* rpp, int64_t n,
+                              void* const* kc, void* const* vc, bool bf16, int64_t M, int64_t window,
+                              const AttentionPlan& plan, at::IntArrayRef capture, std::vector<torch::Tensor>& out,
+                              float* const* bufs) const {
+  float *h = bufs[0], *qkv = bufs[1], *q = bufs[2], *k = bufs[3], *v = bufs[4], *attn = bufs[5], *mid = bufs[6],
+        *up = bufs[7], *act = bufs[8];
+  const int64_t count = static_cast<int64_t>(layers.size()), heads = nq + 2 * nkv;
+  std::vector<float*> caps(capture.size());
+  for (size_t c = 0; c < capture.size(); ++c) {
+    out[1 + c] = torch::empty_like(out[0]);
+    caps[c] = out[1 + c].data_ptr<float>();
+  }
+  const int threads = at::get_num_threads();
+  const int64_t items = attention_items(plan, nq, nkv, threads);
+  DotInput x{};  // written by thread 0 before a barrier, read by all after it
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
+    // this thread's share [a, b) of `total` items, in contiguous runs as at::parallel_for's
+    auto share = [&](int64_t total, auto&& f) {
+      const int64_t per = (total + T - 1) / T, a = std::min(total, t * per), b = std::min(total, a + per);
+      if (a < b) f(a, b);
+    };
+    // y = m(x) once thread 0 has rounded its input: tiles shared, then the bias by thread 0
+    auto matmul = [&](const Matmul& m, const float* in, float* y) {
+      if (t == 0) x = quant_dot_input(in, n, m.in, m.bits);
+#pragma omp barrier
+      share(m.out / 16, [&](int64_t a, int64_t b) { m.tiles(x, y, n, a, b); });
+#pragma omp barrier
+      if (t == 0) m.add_bias(y, n);
+    };
+    for (int64_t l = 0; l < count; ++l) {
+      const Layer& L = layers[l];
+      if (t == 0) rms_norm_rows(xp, L.in_norm, h, n, hidden, eps);
+      matmul(L.mm[0], h, qkv);
+      if (t == 0) {
+        rope_rows(qkv, cp, sp, rpp, n, heads, D, nq + nkv);
+        for (int64_t r = 0; r < n; ++r) {
+          const float* row = qkv + r * heads * D;
+          std::memcpy(q + r * nq * D, row, nq * D * sizeof(float));
+          std::memcpy(k + r * nkv * D, row + nq * D, nkv * D * sizeof(float));
+          std::memcpy(v + r * nkv * D, row + (nq + nkv) * D, nkv * D * sizeof(float));
+        }
+        write_rows_kv(plan, k, v, kc[l], vc[l], bf16, nkv, M, D);
+      }
+#pragma omp barrier
+      share(items, [&](int64_t a, int64_t b) {
+        attend_rows_range(plan, q, kc[l], vc[l], bf16, attn, nq, nkv, M, D, window, threads, a, b);
+      });
+#pragma omp barrier
+      matmul(L.mm[1], attn, mid);
+      if (t == 0) {
+        add_rows(xp, mid, mid, n * hidden);
+        rms_norm_rows(mid, L.post_norm, h, n, hidden, eps);
+      }
+      matmul(L.mm[2], h, up);
+      if (t == 0) silu_mul_rows(up, act, n, inter);
+      matmul(L.mm[3], act, xp);
+      if (t == 0) {
+        add_rows(mid, xp, xp, n * hidden);
+        for (size_t c = 0; c < capture.size(); ++c)
+          if (capture[c] == l + 1) std::memcpy(caps[c], xp, n * hidden * sizeof(float));
+      }
+    }
+  }
 }
 
 TORCH_LIBRARY_FRAGMENT(angelspec, m) {

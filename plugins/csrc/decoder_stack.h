@@ -72,6 +72,18 @@ struct Matmul {
       quant_dot_linear_rows(x, static_cast<const uint8_t*>(w), static_cast<const uint16_t*>(scale),
                             static_cast<const uint16_t*>(offset), y, n, in, out, bits);
     }
+    add_bias(y, n);
+  }
+
+  // Kind 3 in steps (decoder_layer.cpp's one parallel region a forward): the tiles of 16
+  // outputs [t0, t1) of y for x as quant_dot_input rounded it, on the calling thread; then the
+  // bias, once.
+  void tiles(const DotInput& x, float* y, int64_t n, int64_t t0, int64_t t1) const {
+    x.kernel(x.xq, x.d, x.ds, static_cast<const uint8_t*>(w), static_cast<const uint16_t*>(scale),
+             static_cast<const uint16_t*>(offset), y, n, in, out, t0, t1);
+  }
+
+  void add_bias(float* y, int64_t n) const {
     if (bias)
       for (int64_t r = 0; r < n; ++r)
         for (int64_t i = 0; i < out; ++i) y[r * out + i] += bias[i];
@@ -124,6 +136,12 @@ struct DecoderStack : torch::CustomClassHolder {
                                const torch::Tensor& positions, const torch::Tensor& ends) const;
 
  private:
+  // Every matmul int8 dot products (kind 3) and at most kRegionRows rows: run_region's path.
+  bool dot_only = false;
+  // x through the layers in one parallel region (see there); run's arguments, checked.
+  void run_region(float* xp, const float* cp, const float* sp, const int64_t* rpp, int64_t n, void* const* kc,
+                  void* const* vc, bool bf16, int64_t M, int64_t window, const AttentionPlan& plan,
+                  at::IntArrayRef capture, std::vector<torch::Tensor>& out, float* const* bufs) const;
   // Both forwards: the attention's plan from plan_for(rows, cache slots, cache positions).
   std::vector<torch::Tensor> run(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                                  const torch::Tensor& rope_positions, at::TensorList k_caches,

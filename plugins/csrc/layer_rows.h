@@ -26,6 +26,18 @@ void quant_linear_rows(const float* x, const uint8_t* q, const float* scale, con
                        int64_t n, int64_t in, int64_t out, int64_t group, int64_t bits);
 void quant_dot_linear_rows(const float* x, const uint8_t* q, const uint16_t* scale, const uint16_t* offset,
                            float* y, int64_t n, int64_t in, int64_t out, int64_t bits);
+// The same in two steps, for a caller that keeps its threads (decoder_layer.cpp): x rounded to
+// int8 once (the calling thread's scratch, valid until its next call), then any range of tiles
+// of 16 outputs [t0, t1) on any thread.
+using DotKernel = void (*)(const int8_t*, const float*, const float*, const uint8_t*, const uint16_t*,
+                           const uint16_t*, float*, int64_t, int64_t, int64_t, int64_t, int64_t);
+struct DotInput {
+  DotKernel kernel;
+  const int8_t* xq;
+  const float* d;
+  const float* ds;
+};
+DotInput quant_dot_input(const float* x, int64_t n, int64_t in, int64_t bits);
 
 // Which keys each query row of a forward attends to (attention.cpp's plan_attention builds it
 // once a forward from slots, positions and parents; every layer uses it).
@@ -41,3 +53,11 @@ struct AttentionPlan {
 void attend_rows(const AttentionPlan& plan, const float* q, const float* k, const float* v, void* k_cache,
                  void* v_cache, bool bf16, float* out, int64_t H, int64_t Hkv, int64_t M, int64_t D,
                  int64_t window);
+// The same in steps, for a caller that keeps its threads: the keys and values written, then the
+// work items [a, b) of attention_items(plan, H, Hkv, threads) on any of `threads` threads.
+void write_rows_kv(const AttentionPlan& plan, const float* k, const float* v, void* k_cache, void* v_cache,
+                   bool bf16, int64_t Hkv, int64_t M, int64_t D);
+int64_t attention_items(const AttentionPlan& plan, int64_t H, int64_t Hkv, int64_t threads);
+void attend_rows_range(const AttentionPlan& plan, const float* q, const void* k_cache, const void* v_cache,
+                       bool bf16, float* out, int64_t H, int64_t Hkv, int64_t M, int64_t D, int64_t window,
+                       int64_t threads, int64_t a, int64_t b);

@@ -32,8 +32,7 @@ bool use_vnni() {
 int64_t amx_rows(int64_t bits) { return bits == 8 ? 8 : 16; }
 }  // namespace
 
-void quant_dot_linear_rows(const float* xp, const uint8_t* qp, const uint16_t* sp, const uint16_t* op,
-                           float* yp, int64_t n, int64_t in, int64_t out, int64_t bits) {
+DotInput quant_dot_input(const float* xp, int64_t n, int64_t in, int64_t bits) {
   // x's int8 levels and scales: scratch of the calling thread, reused from call to call; the
   // tile kernel reads whole blocks of 16 rows, so it gets zero rows up to a multiple of 16
   const bool tiles = n >= amx_rows(bits) && use_vnni() && amx_int8_available();
@@ -53,8 +52,14 @@ void quant_dot_linear_rows(const float* xp, const uint8_t* qp, const uint16_t* s
   at::parallel_for(0, n, 64, [&](int64_t r0, int64_t r1) {
     quantize_rows(xp + r0 * in, r1 - r0, in, xqp + r0 * in, dp + r0 * blocks, dsp + r0 * blocks);
   });
+  return {fn, xqp, dp, dsp};
+}
+
+void quant_dot_linear_rows(const float* xp, const uint8_t* qp, const uint16_t* sp, const uint16_t* op,
+                           float* yp, int64_t n, int64_t in, int64_t out, int64_t bits) {
+  const DotInput x = quant_dot_input(xp, n, in, bits);
   at::parallel_for(0, out / kTile, 4, [&](int64_t t0, int64_t t1) {
-    fn(xqp, dp, dsp, qp, sp, op, yp, n, in, out, t0, t1);
+    x.kernel(x.xq, x.d, x.ds, qp, sp, op, yp, n, in, out, t0, t1);
   });
 }
 
