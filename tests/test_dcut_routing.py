@@ -248,6 +248,20 @@ def test_profiled_cost_table_grows_with_tokens(tiny):
     assert back.batches[2][0] == t.batches[2][0] == [2, 4, 6, 8, 12, 16]
 
 
+def test_the_profile_times_each_forward_after_one_of_its_own_shape(tiny, monkeypatch):
+    """Decoding steps follow each other; a forward right after a much larger one ran slower, so
+    each timed forward comes second of a pair of the same shape (after the context's prefill)."""
+    calls, forward = [], tiny.model.forward
+    monkeypatch.setattr(tiny.model, "forward", lambda x, batch, cache, **kw: (
+        calls.append((len(x), batch.slots.tolist(), kw.get("logit_rows") is None)),
+        forward(x, batch, cache, **kw))[1])
+    profile(tiny.model, max_tokens=8, reps=2)
+    steps = [c for c in calls if c[2]]  # not the prefills (which ask for one logit row)
+    assert len(steps) % 2 == 0 and len(steps) > 10
+    assert all(a == b for a, b in zip(steps[::2], steps[1::2]))
+    assert len({tuple(c[1]) for c in steps}) > 3  # shapes alternate between the pairs
+
+
 def test_dcut_reads_the_curve_of_its_steps_number_of_requests():
     t = CostTable([1, 4, 16], [0.01, 0.02, 0.08], fingerprint(),
                   {1: ([1, 2, 4], [0.010, 0.011, 0.012]), 16: ([16, 32], [0.05, 0.06])})
