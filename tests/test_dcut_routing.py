@@ -397,6 +397,30 @@ def test_router_prices_drafting_time_at_the_engines_load():
         assert router.observe(route, "ngram", 1, 3, [], cost) == ("mtp" if switch else "ngram")
 
 
+def test_a_new_request_is_not_shadow_drafted_by_a_drafter_that_cannot_win_at_this_load():
+    """A request that has no evidence of a contender yet is judged by the contender's usual
+    draft length and time: under load it is not asked (each first shadow draft of a trained
+    drafter catches it up on the whole context), at batch 1 it is. A drafter whose time is not
+    known yet shadow-drafts for one request at a time until it is."""
+    cost = lambda n: 0.004 + 0.0008 * (n - 1)  # noqa: E731
+    for rate, rows, asked in ((300.0, 2, True), (600.0, 16, False)):
+        router = Router(None, candidates=("ngram", "mtp"), shadow_every=1, budget=1.0)
+        for _ in range(50):
+            router.add_step(rows / rate, rows, rows)
+        router.note_draft_time("ngram", 0.0001)
+        router.note_draft_time("mtp", 0.004)
+        router.record(RouteState("chat"), "mtp", 0, Proposal(torch.tensor([1, 2, 3]), torch.ones(3)))
+        route = RouteState("chat", ("ngram", "mtp"))
+        assert (router.shadow_due(route, "ngram", lambda n: True, cost) == "mtp") == asked
+    router = Router(None, candidates=("ngram", "mtp"), shadow_every=1, budget=1.0)
+    router.add_step(0.01, 1, 1)
+    a, b = RouteState("chat", ("ngram", "mtp")), RouteState("chat", ("ngram", "mtp"))
+    assert router.shadow_due(a, "ngram", lambda n: True, cost) == "mtp"
+    assert router.shadow_due(b, "ngram", lambda n: True, cost) is None  # mtp's time: still learning
+    router.note_draft_time("mtp", 0.001)
+    assert router.shadow_due(b, "ngram", lambda n: True, cost) == "mtp"
+
+
 def test_confirmed_requests_lengthen_the_next_ones_first_shadow_interval():
     """Each finished request whose scores confirmed its drafter doubles the interval the next
     request of its domain starts at (up to max_every); a switch resets it."""
