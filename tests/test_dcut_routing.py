@@ -398,10 +398,11 @@ def test_router_prices_drafting_time_at_the_engines_load():
 
 
 def test_a_new_request_is_not_shadow_drafted_by_a_drafter_that_cannot_win_at_this_load():
-    """A request that has no evidence of a contender yet is judged by the contender's usual
-    draft length and time: under load it is not asked (each first shadow draft of a trained
-    drafter catches it up on the whole context), at batch 1 it is. A drafter whose time is not
-    known yet shadow-drafts for one request at a time until it is."""
+    """A request that has no evidence of a contender yet is judged by the contender's longest
+    draft (a proposal near a request's end is clipped) and its time: under load it is not asked
+    (each first shadow draft of a trained drafter catches it up on the whole context), at batch
+    1 it is. A drafter whose time is not known yet shadow-drafts for one request at a time until
+    it is."""
     cost = lambda n: 0.004 + 0.0008 * (n - 1)  # noqa: E731
     for rate, rows, asked in ((300.0, 2, True), (600.0, 16, False)):
         router = Router(None, candidates=("ngram", "mtp"), shadow_every=1, budget=1.0)
@@ -409,6 +410,7 @@ def test_a_new_request_is_not_shadow_drafted_by_a_drafter_that_cannot_win_at_thi
             router.add_step(rows / rate, rows, rows)
         router.note_draft_time("ngram", 0.0001)
         router.note_draft_time("mtp", 0.004)
+        router.record(RouteState("chat"), "mtp", 0, Proposal(torch.tensor([1]), torch.ones(1)))  # clipped
         router.record(RouteState("chat"), "mtp", 0, Proposal(torch.tensor([1, 2, 3]), torch.ones(3)))
         route = RouteState("chat", ("ngram", "mtp"))
         assert (router.shadow_due(route, "ngram", lambda n: True, cost) == "mtp") == asked

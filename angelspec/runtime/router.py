@@ -24,7 +24,7 @@ first drafter, then shadow drafting lets the evidence switch it.
    after `MOVE_AFTER` requests of a domain in a row ended on the same other drafter, the
    domain's route moves there. Shadow drafting never takes more than `budget` of the engine's
    step time, and a contender that could not win even if always accepted is not asked: judged
-   by its draft length in this request or, before it has drafted for it, its usual one. (At 16
+   by its draft length in this request or, before it has drafted for it, its longest. (At 16
    in flight every new request's first shadow drafts of MTP and DFly, each catching up on the
    whole context, cost `auto` ~2% of its time against `ngram` alone, and they could not win
    there.) A drafter whose time is not known yet shadow-drafts for one request until it is.
@@ -133,7 +133,7 @@ class Router:
         self.budget = budget  # shadow drafting may cost at most this share of the steps' time
         self.credit = 0.0  # seconds of shadow drafting currently affordable
         self.draft_seconds: dict[str, float] = {}  # drafter -> EMA of one request's draft time
-        self.draft_tokens: dict[str, float] = {}  # drafter -> EMA of its shadow proposals' lengths
+        self.draft_tokens: dict[str, int] = {}  # drafter -> its longest shadow proposal
         self.learning: set[str] = set()  # drafters shadow-drafting once to learn their time
         self.rate = 0.0  # EMA of the engine's tokens per second (0: no step yet)
         self.rows = 1.0  # EMA of the tokens one verification forward checks
@@ -182,8 +182,8 @@ class Router:
         self.learning.discard(name)
 
     def _note_drafted(self, name: str, tokens: int) -> None:
-        old = self.draft_tokens.get(name)
-        self.draft_tokens[name] = tokens if old is None else 0.9 * old + 0.1 * tokens
+        # the longest: a proposal near its request's end is clipped to the tokens left
+        self.draft_tokens[name] = max(self.draft_tokens.get(name, 0), tokens)
 
     def add_step(self, seconds: float, tokens: int, rows: int) -> None:
         """After an engine step of `seconds` that committed `tokens` and verified `rows`: earn
@@ -279,7 +279,7 @@ class Router:
 
     def could_win(self, route: RouteState, name: str, current: str, cost) -> bool:
         """Whether shadow-drafting `name` can pay: its time or its draft length unknown yet, or its
-        value with every draft token accepted (its length in this request, else its usual one)
+        value with every draft token accepted (its length in this request, else its longest)
         beats the current drafter's."""
         ev, mine = route.evidence.get(name), self.value(route, current, cost)
         k = ev.drafted / ev.n if ev and ev.n else self.draft_tokens.get(name)
