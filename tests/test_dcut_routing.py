@@ -399,10 +399,11 @@ def test_router_prices_drafting_time_at_the_engines_load():
 
 def test_a_new_request_is_not_shadow_drafted_by_a_drafter_that_cannot_win_at_this_load():
     """A request that has no evidence of a contender yet is judged by the contender's longest
-    draft (a proposal near a request's end is clipped) and its time: under load it is not asked
-    (each first shadow draft of a trained drafter catches it up on the whole context), at batch
-    1 it is. A drafter whose time is not known yet shadow-drafts for one request at a time until
-    it is."""
+    draft (a proposal near a request's end is clipped), its time and what its shadow drafts for
+    the domain's earlier requests accepted: under load it is not asked (each first shadow draft
+    of a trained drafter catches it up on the whole context), at batch 1 it is unless the
+    domain's evidence says it cannot win. A drafter whose time is not known yet shadow-drafts for
+    one request at a time until it is."""
     cost = lambda n: 0.004 + 0.0008 * (n - 1)  # noqa: E731
     for rate, rows, asked in ((300.0, 2, True), (600.0, 16, False)):
         router = Router(None, candidates=("ngram", "mtp"), shadow_every=1, budget=1.0)
@@ -414,6 +415,20 @@ def test_a_new_request_is_not_shadow_drafted_by_a_drafter_that_cannot_win_at_thi
         router.record(RouteState("chat"), "mtp", 0, Proposal(torch.tensor([1, 2, 3]), torch.ones(3)))
         route = RouteState("chat", ("ngram", "mtp"))
         assert (router.shadow_due(route, "ngram", lambda n: True, cost) == "mtp") == asked
+    # the domain's earlier requests scored its shadow drafts: at batch 1 a new request is asked
+    # while they were often accepted, or were few, not once 16 accepted 0.3 of 3 tokens each
+    for accepted, shadows, asked in ((2.5, 16, True), (0.3, 2, True), (0.3, 16, False)):
+        router = Router(None, candidates=("ngram", "mtp"), shadow_every=1, budget=1.0)
+        for _ in range(50):
+            router.add_step(2 / 300.0, 2, 2)
+        router.note_draft_time("ngram", 0.0001)
+        router.note_draft_time("mtp", 0.004)
+        router.record(RouteState("chat"), "mtp", 0, Proposal(torch.tensor([1, 2, 3]), torch.ones(3)))
+        router.pooled["chat", "mtp"] = DrafterEvidence(shadows, accepted * shadows, 3 * shadows)
+        route = RouteState("chat", ("ngram", "mtp"))
+        assert (router.shadow_due(route, "ngram", lambda n: True, cost) == "mtp") == asked
+        code = RouteState("code", ("ngram", "mtp"))  # another domain's evidence is its own
+        assert router.shadow_due(code, "ngram", lambda n: True, cost) == "mtp"
     router = Router(None, candidates=("ngram", "mtp"), shadow_every=1, budget=1.0)
     router.add_step(0.01, 1, 1)
     a, b = RouteState("chat", ("ngram", "mtp")), RouteState("chat", ("ngram", "mtp"))
