@@ -11,7 +11,7 @@ from angelspec.runtime import Engine, Request, SamplingParams
 from angelspec.runtime.calibration import Calibration
 from angelspec.runtime.cost import CostTable, fingerprint, profile
 from angelspec.runtime.gate import DraftGate
-from angelspec.runtime.router import DomainClassifier, DrafterEvidence, Router, RouteState, contenders
+from angelspec.runtime.router import POOLED, DomainClassifier, DrafterEvidence, Router, RouteState, contenders
 
 
 def table(per_token: float) -> CostTable:
@@ -429,6 +429,13 @@ def test_a_new_request_is_not_shadow_drafted_by_a_drafter_that_cannot_win_at_thi
         assert (router.shadow_due(route, "ngram", lambda n: True, cost) == "mtp") == asked
         code = RouteState("code", ("ngram", "mtp"))  # another domain's evidence is its own
         assert router.shadow_due(code, "ngram", lambda n: True, cost) == "mtp"
+    # scored shadow drafts pool per domain, the older ones fading past POOLED
+    router, route = Router(None, candidates=("ngram", "mtp")), RouteState("chat", ("ngram", "mtp"))
+    for i in range(100):
+        router.record(route, "mtp", i, Proposal(torch.tensor([5, 6, 7]), torch.ones(3)))
+        router.observe(route, "ngram", 0, 0, [0] * i + [5, 6, 9], cost)  # 2 of 3 accepted
+    pool = router.pooled["chat", "mtp"]
+    assert pool.n == POOLED and pool.accepted == pytest.approx(2 * POOLED) and pool.drafted == pytest.approx(3 * POOLED)
     router = Router(None, candidates=("ngram", "mtp"), shadow_every=1, budget=1.0)
     router.add_step(0.01, 1, 1)
     a, b = RouteState("chat", ("ngram", "mtp")), RouteState("chat", ("ngram", "mtp"))

@@ -55,6 +55,10 @@ CANDIDATES = ("mtp", "dfly", "ngram")
 CONTEND = 0.1
 ALWAYS_CONTENDS = ("ngram",)  # costs next to nothing to shadow-draft
 MOVE_AFTER = 2  # requests of a domain in a row that ended on another drafter move its route there
+# the scored shadow drafts a domain's evidence of a contender counts at most: older ones fade (its
+# mean kept, n capped), so the optimism k / sqrt(n) never falls below k / 8 and a workload that
+# changes can bring a contender back
+POOLED = 64
 
 
 def contenders(speed: dict) -> dict:
@@ -248,7 +252,11 @@ class Router:
                 continue
             matched = prop.matched(committed[pos:pos + prop.depth()])
             route.evidence.setdefault(name, DrafterEvidence()).add(matched, len(prop.tokens))
-            self.pooled.setdefault((route.domain, name), DrafterEvidence()).add(matched, len(prop.tokens))
+            pool = self.pooled.setdefault((route.domain, name), DrafterEvidence())
+            pool.add(matched, len(prop.tokens))
+            if pool.n > POOLED:
+                pool.accepted, pool.drafted, pool.n = (pool.accepted * POOLED / pool.n,
+                                                       pool.drafted * POOLED / pool.n, POOLED)
             scored = True
         route.pending = keep
         best, best_value = current, self.value(route, current, cost)
