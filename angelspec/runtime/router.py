@@ -278,14 +278,13 @@ class Router:
             route.interval = min(2 * route.interval, self.max_every)  # the evidence agrees: back off
         return best
 
-    def value(self, route: RouteState, name: str, cost, accepted: float | None = None) -> float | None:
+    def value(self, route: RouteState, name: str, cost) -> float | None:
         """Tokens per step drafter `name` adds for the request, less what its drafting and
-        verification time costs the engine at its current rate (None: no evidence yet).
-        `accepted`: assume this many accepted tokens instead of the evidence's mean."""
+        verification time costs the engine at its current rate (None: no evidence yet)."""
         ev = route.evidence.get(name)
         if not ev or not ev.n:
             return None
-        return self._value(name, ev.drafted / ev.n, ev.accepted / ev.n if accepted is None else accepted, cost)
+        return self._value(name, ev.drafted / ev.n, ev.accepted / ev.n, cost)
 
     def _value(self, name: str, k: float, a: float, cost) -> float:
         """value() of `name` drafting k tokens a step of which a are accepted."""

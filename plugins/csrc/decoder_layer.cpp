@@ -21,6 +21,17 @@ void add_rows(const float* x, const float* y, float* z, int64_t count) {
   for (int64_t i = 0; i < count; ++i) z[i] = x[i] + y[i];
 }
 
+// q, k, v apart, each [n, its heads, D], from qkv [n, nq + 2 nkv heads, D].
+void split_qkv(const float* qkv, float* q, float* k, float* v, int64_t n, int64_t nq, int64_t nkv, int64_t D) {
+  const int64_t heads = nq + 2 * nkv;
+  for (int64_t r = 0; r < n; ++r) {
+    const float* row = qkv + r * heads * D;
+    std::memcpy(q + r * nq * D, row, nq * D * sizeof(float));
+    std::memcpy(k + r * nkv * D, row + nq * D, nkv * D * sizeof(float));
+    std::memcpy(v + r * nkv * D, row + (nq + nkv) * D, nkv * D * sizeof(float));
+  }
+}
+
 // Forwards of up to this many rows with int8 dot products run in one parallel region (run_region).
 constexpr int64_t kRegionRows = 16;
 }  // namespace
@@ -154,12 +165,7 @@ std::vector<torch::Tensor> DecoderStack::run(const torch::Tensor& x, const torch
     rms_norm_rows(xp, L.in_norm, h, n, hidden, eps);
     L.mm[0](h, qkv, n);
     rope_rows(qkv, cp, sp, rpp, n, heads, D, nq + nkv);
-    for (int64_t r = 0; r < n; ++r) {  // q, k, v apart, each [n, its heads, D]
-      const float* row = qkv + r * heads * D;
-      std::memcpy(q + r * nq * D, row, nq * D * sizeof(float));
-      std::memcpy(k + r * nkv * D, row + nq * D, nkv * D * sizeof(float));
-      std::memcpy(v + r * nkv * D, row + (nq + nkv) * D, nkv * D * sizeof(float));
-    }
+    split_qkv(qkv, q, k, v, n, nq, nkv, D);
     attend_rows(plan, q, k, v, kc[l], vc[l], bf16, attn, nq, nkv, M, D, window);
     L.mm[1](attn, mid, n);
     add_rows(xp, mid, mid, n * hidden);
@@ -218,12 +224,7 @@ void DecoderStack::run_region(float* xp, const float* cp, const float* sp, const
       matmul(L.mm[0], h, qkv);
       if (t == 0) {
         rope_rows(qkv, cp, sp, rpp, n, heads, D, nq + nkv);
-        for (int64_t r = 0; r < n; ++r) {
-          const float* row = qkv + r * heads * D;
-          std::memcpy(q + r * nq * D, row, nq * D * sizeof(float));
-          std::memcpy(k + r * nkv * D, row + nq * D, nkv * D * sizeof(float));
-          std::memcpy(v + r * nkv * D, row + (nq + nkv) * D, nkv * D * sizeof(float));
-        }
+        split_qkv(qkv, q, k, v, n, nq, nkv, D);
         write_rows_kv(plan, k, v, kc[l], vc[l], bf16, nkv, M, D);
       }
 #pragma omp barrier
