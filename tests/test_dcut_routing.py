@@ -50,6 +50,28 @@ def test_dcut_is_lossless_and_cuts_when_tokens_are_dear(tiny, per_token, batch):
         assert eng.stats.dcut_kept < 0.5 * eng.stats.dcut_drafted
 
 
+def test_dcut_prices_a_verified_token_at_its_requests_context(tiny):
+    """Every verified token attends to all of its request's keys: the profile's per-key cost
+    (CostTable.shift) makes a token dearer after many keys. The same drafts are verified after a
+    short prompt and mostly cut after a long one; the output is batch-1 ar's either way."""
+    t = CostTable([1, 8, 32, 128], [0.03 + 0.0005 * (n - 1) for n in (1, 8, 32, 128)], fingerprint(),
+                  context=16, per_key=2e-4)
+    assert t.shift(16) == 0.0 and t.shift(216) == pytest.approx(0.04) and t.shift(6) < 0
+    back = CostTable.from_json(t.to_json())
+    assert (back.context, back.per_key) == (16, pytest.approx(2e-4))
+    short = prompts(3)
+    long = [(p * (200 // len(p) + 1))[:200] for p in short]
+    kept = []
+    for ps in (short, long):
+        ref = autoregressive(tiny, ps, 30)
+        oracle = NoisyOracle({tuple(p): r for p, r in zip(ps, ref)}, 6, seed=1)
+        eng = Engine(tiny, max_batch=1, max_len=256, drafters={"oracle": oracle}, dcut=True, cost=t)
+        out = eng.generate([Request(p, SamplingParams(max_tokens=30), "oracle") for p in ps])
+        assert [r.tokens for r in out] == ref
+        kept.append(eng.stats.dcut_kept / eng.stats.dcut_drafted)
+    assert kept[0] > 0.8 and kept[1] < 0.5 * kept[0]
+
+
 def test_gate_sits_out_a_drafter_that_costs_more_than_it_brings_and_probes_it():
     gate = DraftGate(lambda n: 0.03 + 0.001 * n)
     gate.observe("slow", 4, seconds=0.4, kept=8, accepted=2)  # 0.1 s per request for 0.5 tokens
@@ -245,6 +267,8 @@ def test_profiled_cost_table_grows_with_tokens(tiny):
     assert t.batches[4][0] == [4, 8, 12, 16] and t.batches[16][0] == [16]
     back = CostTable.from_json(t.to_json())
     assert back.n == t.n and back.batches.keys() == t.batches.keys()
+    # one request's tokens timed after 4x the context too: the cost of a key (never negative)
+    assert t.context > 0 and t.per_key >= 0 and back.per_key == pytest.approx(t.per_key, abs=1e-12)
     assert back.batches[2][0] == t.batches[2][0] == [2, 4, 6, 8, 12, 16]
 
 

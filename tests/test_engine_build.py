@@ -239,6 +239,24 @@ def test_a_trained_drafter_takes_a_route_from_ngram_only_by_a_margin():
     assert route({"mtp": 200.0, "dfly": 210.0}) == "dfly"
 
 
+
+def test_routes_compare_each_run_with_ngrams_run_of_the_same_prompt():
+    """The machine's speed drifts between runs: a drafter whose runs fell in fast moments looks
+    faster in totals (dfly here: 0.74 s against ngram's 1.0 s), yet on two of three prompts it was
+    slower than ngram's run of the same prompt moments before. The paired ratios decide."""
+    from angelspec.builders.build import routes_from_runs
+
+    runs = {("chat", "ngram"): [(64, 0.20), (64, 0.20), (64, 0.60)],
+            ("chat", "dfly"): [(64, 0.22), (64, 0.22), (64, 0.30)],
+            ("code", "ngram"): [(64, 0.30), (64, 0.30), (64, 0.30)],
+            ("code", "dfly"): [(64, 0.20), (64, 0.20), (64, 0.40)]}
+    routes, speed = routes_from_runs(runs, ["dfly", "ngram"])
+    assert speed["chat"]["dfly"] > speed["chat"]["ngram"]  # the totals would send chat to dfly
+    assert routes == {"chat": "ngram", "code": "dfly"}
+    # without ngram among the candidates, the totals decide
+    assert routes_from_runs({k: v for k, v in runs.items() if k[1] == "dfly"}, ["dfly"])[0] == \
+        {"chat": "dfly", "code": "dfly"}
+
 @pytest.mark.parametrize("dcut", [True, False])
 def test_routes_are_measured_as_the_engine_serves(parts, tmp_path, monkeypatch, dcut):
     """The route calibration runs the candidates with D-cut over the build's cost table when the

@@ -74,6 +74,8 @@ class CostTable:
     seconds: list[float]  # median time of that forward
     fingerprint: dict
     batches: dict = field(default_factory=dict)  # B -> (n [B * rows], seconds)
+    context: int = 0  # cached tokens per request the curves were measured after
+    per_key: float = 0.0  # seconds a verified token's attention adds per cached key past `context`
 
     def __post_init__(self):
         # a forward over more tokens is never cheaper: where a curve dips (the machine's noise; a
@@ -81,6 +83,13 @@ class CostTable:
         # level, so no draft token looks free to D-cut and the gate
         self.seconds = rising(self.seconds)
         self.batches = {b: (n, rising(t)) for b, (n, t) in self.batches.items()}
+
+    def shift(self, context: float) -> float:
+        """Seconds to add to C_B(n) per verified token for requests of `context` cached tokens
+        (negative below the profile's context): every verified token attends to all of its
+        request's keys. One request's 4-token forward took 3.17 ms after 50 keys, 4.56 after 300
+        and 5.80 after 800, against 2.80, 2.75 and 3.38 for 1 token (w4a8, AVX-512 EPYC)."""
+        return self.per_key * (context - self.context)
 
     def tensors(self, batch: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(n, seconds) as float64: the curve for `batch` requests (the measured B nearest to it),
@@ -94,20 +103,24 @@ class CostTable:
         return {"n": self.n, "ms": [round(s * 1000, 3) for s in self.seconds],
                 "by_batch": {str(b): {"n": n, "ms": [round(s * 1000, 3) for s in t]}
                              for b, (n, t) in self.batches.items()},
+                "context": self.context, "per_key_ns": round(self.per_key * 1e9, 3),
                 "fingerprint": self.fingerprint}
 
     @classmethod
     def from_json(cls, d: dict) -> "CostTable":
         batches = {int(b): (list(c["n"]), [m / 1000 for m in c["ms"]])
                    for b, c in d.get("by_batch", {}).items()}
-        return cls(list(d["n"]), [m / 1000 for m in d["ms"]], dict(d["fingerprint"]), batches)
+        return cls(list(d["n"]), [m / 1000 for m in d["ms"]], dict(d["fingerprint"]), batches,
+                   int(d.get("context", 0)), float(d.get("per_key_ns", 0.0)) / 1e9)
 
 
 def profile(model, max_tokens: int = SKINNY_MAX_ROWS, context: int = 256, per_request: int = 4,
             reps: int = 5, backend: str = "eager", progress=None) -> CostTable:
     """Time packed forwards of n tokens (requests of `per_request` tokens each, every one after
     `context` cached tokens), and of B requests x 1..8 tokens for the per-batch curves; all shapes
-    measured in interleaved rounds so machine drift hits all alike. Each timed forward follows an
+    measured in interleaved rounds so machine drift hits all alike. One request's 1..8 tokens
+    are timed after 4 x `context` keys as well: what a verified token's attention adds per key
+    (`per_key`, for D-cut at other contexts: CostTable.shift). Each timed forward follows an
     untimed one of its own shape, as decoding steps follow each other: right after a much larger
     shape a one-row forward took 3.9 ms instead of 3.4 (w4a8, AVX-512 EPYC), which made a
     second to fourth verified token look nearly free (C(4) 1.01x C(1) instead of 1.17x)."""
@@ -117,25 +130,34 @@ def profile(model, max_tokens: int = SKINNY_MAX_ROWS, context: int = 256, per_re
     slots = max(-(-max_tokens // per_request), max(b for b, _ in per_batch))
     width = max(per_request, max(ROWS))
     context = max(1, min(context, model.max_len - width - 1))
-    cache = model.new_cache(slots, context + width + 1)
+    far = min(4 * context, model.max_len - width - 1)  # one request's context for the per-key slope
     g = torch.Generator().manual_seed(0)
-    toks = torch.randint(0, model.cfg.vocab_size, (context + width,), generator=g)
-    for s in range(slots):
-        model.forward(toks[:context], model.batch([Segment(s, 0, context)]), cache,
-                      logit_rows=torch.tensor([context - 1]))
-    shapes = {}  # ("n", n) for the main curve, (B, rows) for the per-batch curves
+    toks = torch.randint(0, model.cfg.vocab_size, (max(context, far) + width,), generator=g)
+
+    def filled(slots: int, n: int):
+        cache = model.new_cache(slots, n + width + 1)
+        for s in range(slots):
+            model.forward(toks[:n], model.batch([Segment(s, 0, n)]), cache, logit_rows=torch.tensor([n - 1]))
+        return cache
+    cache = filled(slots, context)
+    shapes = {}  # ("n", n) for the main curve, (B, rows) for the per-batch curves: (x, batch, cache)
     for n in sizes:
         segs = [Segment(i, context, min(per_request, n - i * per_request))
                 for i in range(-(-n // per_request))]
         shapes["n", n] = (toks[context:context + per_request].repeat(len(segs))[:n],
-                          model.batch(segs))
+                          model.batch(segs), cache)
     for b, r in per_batch:
         shapes[b, r] = (toks[context:context + r].repeat(b),
-                        model.batch([Segment(i, context, r) for i in range(b)]))
+                        model.batch([Segment(i, context, r) for i in range(b)]), cache)
+    near = [r for r in ROWS if (1, r) in shapes]  # one request's rows on the batch-1 curve
+    if far > context:
+        far_cache = filled(1, far)
+        for r in near:
+            shapes["far", r] = (toks[far:far + r], model.batch([Segment(0, far, r)]), far_cache)
     times = {k: [] for k in shapes}
     with torch.inference_mode():
         for _ in range(reps):
-            for k, (x, batch) in shapes.items():
+            for k, (x, batch, cache) in shapes.items():
                 model.forward(x, batch, cache)
                 t0 = time.perf_counter()
                 model.forward(x, batch, cache)
@@ -148,5 +170,8 @@ def profile(model, max_tokens: int = SKINNY_MAX_ROWS, context: int = 256, per_re
         n, t = curves.setdefault(b, ([], []))
         n.append(b * r)
         t.append(med[b, r])
+    per_key = 0.0
+    if far > context:  # the time per token and key over 1..8 tokens (the most tokens weigh most)
+        per_key = max(0.0, sum(med["far", r] - med[1, r] for r in near) / (sum(near) * (far - context)))
     return CostTable(sizes, [med["n", n] for n in sizes], fingerprint(backend, model.weights),
-                     curves)
+                     curves, context, per_key)

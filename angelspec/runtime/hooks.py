@@ -13,11 +13,12 @@ class StepHooks:
 
     def __init__(self, engine):
         self.engine = engine
-        self.curve = None  # C_B(n) of this step's B requests (None: no cost profile)
+        self.curve = None  # C_B(n) of this step's B requests at their context (None: no cost profile)
+        self.shift = 0.0  # seconds per verified token the step's context adds to the profiled C_B(n)
         self.t_fixed_ema = 0.0  # a step's time outside drafting and the forward (D-cut's T_fixed)
-        # requests in a forward -> EMA of (its measured time - C_B(its tokens)): the profile ran
-        # at one context length and one moment, while requests' contexts differ and the machine
-        # drifts; D-cut and the gate weigh draft tokens against C_B(n) + this offset
+        # requests in a forward -> EMA of (its measured time - the step's curve at its tokens):
+        # the profile ran at one moment and the machine drifts; D-cut and the gate weigh draft
+        # tokens against the curve + this offset
         self.fwd_offset: dict[int, float] = {}
 
     @property
@@ -28,7 +29,11 @@ class StepHooks:
     def plan(self, active: list[RequestState], names: list[str]) -> list[str]:
         """The drafter of each request this step: the gate may sit costly drafters out."""
         e = self.engine
-        self.curve = e.curve(len(active))[1] if e.cost is not None else None
+        self.curve = None
+        if e.cost is not None:
+            profiled = e.curve(len(active))[1]
+            self.shift = e.cost.shift(sum(len(s.tokens) for s in active) / len(active))
+            self.curve = (lambda k, d=self.shift: profiled(k) + d * k) if self.shift else profiled
         if self.gate is not None:
             names = self.gate.plan(e.stats.steps, names, self.t_fixed(len(active)), self.curve)
         return names

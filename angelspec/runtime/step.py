@@ -159,8 +159,9 @@ def cut(engine, props: list[Proposal], names: list[str], t_draft: float, t_fixed
     parents = torch.cat([p.parent_index() for p in props])
     if engine.dcut:
         confidence = torch.cat([engine.calibration.apply(n, p) for n, p in zip(names, props)])
-        _, keep = dcut_select(confidence, lengths, parents, t_draft, t_fixed,
-                              *engine.curve(len(props))[0], torch.tensor(RATIOS, dtype=torch.float64))
+        cost_n, cost_t = engine.curve(len(props))[0]  # as profiled, then at this step's context
+        _, keep = dcut_select(confidence, lengths, parents, t_draft, t_fixed, cost_n,
+                              cost_t + engine.hooks.shift * cost_n, torch.tensor(RATIOS, dtype=torch.float64))
         engine.stats.dcut_drafted += total
         engine.stats.dcut_kept += int(keep.sum())
     else:
