@@ -106,8 +106,9 @@ def calibrate_routes(target, drafts_dir: pathlib.Path, candidates: list[str], co
     serves. Where ngram is a candidate, a domain's route compares each drafter's runs with
     ngram's run of the same prompt moments apart (the median of those ratios): the machine's
     speed drifts by more than the drafters differ, and totals over a few prompts sent chat to
-    dfly at 323 against ngram's 291 tokens/s on an EPYC where served, dfly ran chat at 0.95x
-    `ar` and ngram at 1.03x. Returns (routes, tokens/s per domain and candidate)."""
+    dfly at 323 against ngram's 291 tokens/s on an AVX-512 EPYC, where that engine's `auto` then
+    ran the held-out prompts at 1.13x `ar` against ngram's 1.28x. Returns (routes, tokens/s per
+    domain and candidate)."""
     rows = [r for r in load_prompts(DEFAULT_PROMPTS, per_domain) if r["domain"] in DOMAINS]
     ids = [target.encode_chat(r["prompt"]) for r in rows]
     engine = Engine(target, max_batch=1, max_len=max(map(len, ids)) + max_tokens + 1,
