@@ -11,7 +11,15 @@ from angelspec.runtime import Engine, Request, SamplingParams
 from angelspec.runtime.calibration import Calibration
 from angelspec.runtime.cost import CostTable, fingerprint, profile
 from angelspec.runtime.gate import DraftGate
-from angelspec.runtime.router import POOLED, DomainClassifier, DrafterEvidence, Router, RouteState, contenders
+from angelspec.runtime.router import (
+    DETACH_AFTER,
+    POOLED,
+    DomainClassifier,
+    DrafterEvidence,
+    Router,
+    RouteState,
+    contenders,
+)
 
 
 def table(per_token: float) -> CostTable:
@@ -387,6 +395,42 @@ def test_no_shadow_drafts_for_a_request_whose_drafter_sits_out(tiny):
     out = eng.generate([Request(p, SamplingParams(max_tokens=40), "auto") for p in ps])
     assert [r.tokens for r in out] == ref
     assert eng.gate.skipped > 0 and 0 < sum(shadowed) <= sum(asked) < eng.stats.steps
+
+
+def test_a_request_whose_drafter_keeps_sitting_out_stops_feeding_its_contenders(tiny):
+    """After DETACH_AFTER steps in a row without its own drafter, a routed request's costly
+    contenders stop following it (no more hidden rows handed over, their evidence dropped, so
+    it never switches to one that missed tokens); ngram, a lookup, keeps following. Lossless."""
+    route = RouteState("chat", ("ngram", "mtp", "dfly"), evidence={"mtp": DrafterEvidence()},
+                       pending=[("mtp", 3, None), ("ngram", 3, None)])
+    router = Router(None)
+    assert [router.sat_out(route, "ngram", True) for _ in range(DETACH_AFTER - 1)] == [[]] * (DETACH_AFTER - 1)
+    assert router.sat_out(route, "ngram", False) == [] and route.idle == 0  # a step it drafted
+    for _ in range(DETACH_AFTER - 1):
+        router.sat_out(route, "ngram", True)
+    assert router.sat_out(route, "ngram", True) == ["mtp", "dfly"]
+    assert route.candidates == ("ngram",) and route.evidence == {} and route.pending == [("ngram", 3, None)]
+
+    class Slow(Random):
+        def propose(self, states):
+            time.sleep(0.02 * len(states))
+            return super().propose(states)
+
+    class Spy(NoisyOracle):
+        def on_commit(self, state, hidden):
+            fed.append(len(state.tokens))
+
+    fed = []
+    ps = prompts(2)
+    ref = autoregressive(tiny, ps, 60)
+    clf = DomainClassifier.fit([[1, 2, 3], [50, 60], [80, 81]], ["chat", "code", "math"], 97)
+    router = Router(clf, routes={d: "slow" for d in ("chat", "code", "math")}, candidates=("slow", "spy"),
+                    shadow_every=1, min_obs=1000)
+    eng = Engine(tiny, max_batch=2, max_len=256, router=router, dcut=True, cost=table(0.0001),
+                 drafters={"slow": Slow(), "spy": Spy({tuple(p): r for p, r in zip(ps, ref)}, 4)})
+    out = eng.generate([Request(p, SamplingParams(max_tokens=60), "auto") for p in ps])
+    assert [r.tokens for r in out] == ref
+    assert eng.gate.skipped >= DETACH_AFTER and 2 <= len(fed) < sum(r.stats.steps for r in out)
 
 
 def test_auto_needs_a_router(tiny):

@@ -46,9 +46,16 @@ class StepHooks:
         score once the target's tokens are known. Not for a request that does not draft this
         step (names[i] "none": the gate sat its drafter out, or it is on its last token): under
         a load where its own drafter does not pay, a contender's draft would not either (at 16
-        in flight they were most of what `auto`'s drafting cost over `ngram`'s)."""
+        in flight they were most of what `auto`'s drafting cost over `ngram`'s). A request whose
+        drafter sits out step after step among others in flight loses its costly contenders
+        (Router.sat_out). Not alone: one request's drafter sits out for its content, not for the
+        load, and a contender's shadow drafts on the drafter's probe steps may switch it."""
         e, due = self.engine, {}
+        crowd = len(active) > 1
         for i, (s, own) in enumerate(zip(active, names)):
+            if s.route is not None:
+                for name in e.router.sat_out(s.route, s.drafter, crowd and own == "none"):
+                    e.drafters[name].release(s.view(name))
             if s.route is not None and own != "none":
                 name = e.router.shadow_due(s.route, s.drafter, e.available, self.curve)
                 if name:
