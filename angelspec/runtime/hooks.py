@@ -53,10 +53,11 @@ class StepHooks:
         e, due = self.engine, {}
         crowd = len(active) > 1
         for i, (s, own) in enumerate(zip(active, names)):
-            if s.route is not None:
-                for name in e.router.sat_out(s.route, s.drafter, crowd and own == "none"):
-                    e.drafters[name].release(s.view(name))
-            if s.route is not None and own != "none":
+            if s.route is None:
+                continue
+            for name in e.router.sat_out(s.route, s.drafter, crowd and own == "none"):
+                e.drafters[name].release(s.view(name))
+            if own != "none":
                 name = e.router.shadow_due(s.route, s.drafter, e.available, self.curve)
                 if name:
                     due[i] = name
