@@ -36,8 +36,7 @@ def sample_inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
     return torch.searchsorted(cdf, x, right=True).squeeze(-1).clamp_max(probs.shape[-1] - 1)
 
 
-@torch.library.custom_op("angelspec::verify_rejection", mutates_args=())
-def verify_rejection(probs: Tensor, draft: Tensor, lengths: Tensor, parents: Tensor,
+def verify_rejection_eager(probs: Tensor, draft: Tensor, lengths: Tensor, parents: Tensor,
                      uniforms: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Speculative rejection sampling of deterministic proposals: the committed tokens are
     distributed exactly as the target's.
@@ -54,6 +53,10 @@ def verify_rejection(probs: Tensor, draft: Tensor, lengths: Tensor, parents: Ten
     draft length, tree shape or batch.
     """
     return accept_paths(sample_inverse_cdf(probs, uniforms), draft, lengths, parents)
+
+
+# the op runs this function; the engine calls it directly (see dcut.py: dcut_select)
+verify_rejection = torch.library.custom_op("angelspec::verify_rejection", verify_rejection_eager, mutates_args=())
 
 
 @verify_rejection.register_fake

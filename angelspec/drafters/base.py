@@ -58,6 +58,10 @@ class Proposal:
         """parents, filled in for a chain."""
         return torch.arange(len(self.tokens)) - 1 if self.parents is None else self.parents
 
+    def parent_list(self) -> list[int]:
+        """parent_index as Python numbers."""
+        return list(range(-1, len(self.tokens) - 1)) if self.parents is None else self.parents.tolist()
+
     def clip(self, k: int) -> "Proposal":
         """The first k tokens (a prefix keeps every kept token's parent)."""
         if k >= len(self.tokens):
@@ -74,15 +78,16 @@ class Proposal:
             k += 1
         return Proposal(self.tokens[:k], self.confidence[:k])
 
-    def keep(self, mask: torch.Tensor) -> "Proposal":
+    def keep(self, mask: list[bool]) -> "Proposal":
         """The tokens where mask is True (their parents must be kept too), re-indexed."""
-        kept = int(mask.sum())
+        kept = sum(mask)
         if kept == len(self.tokens):
             return self
         if self.parents is None:  # a chain keeps a prefix
             return self.clip(kept)
+        mask = torch.tensor(mask, dtype=torch.bool)
         new_index = mask.long().cumsum(0) - 1
-        parents = self.parent_index()[mask]
+        parents = self.parents[mask]
         parents = torch.where(parents >= 0, new_index[parents.clamp_min(0)], -1)
         return Proposal.of(self.tokens[mask], self.confidence[mask], parents)
 

@@ -19,8 +19,6 @@ Calibration only decides what is verified: the output is the same token for toke
 """
 from __future__ import annotations
 
-import torch
-
 from angelspec.drafters import Proposal
 
 PRIOR = 8.0  # pseudo-tokens at factor 1
@@ -39,12 +37,12 @@ class Calibration:
         hit, conf = rows[min(depth, MAX_DEPTH) - 1]
         return (hit + PRIOR) / (conf + PRIOR)
 
-    def apply(self, name: str, prop: Proposal) -> torch.Tensor:
-        """The proposal's confidences as D-cut should read them (float64)."""
-        if name not in self.sums or not len(prop.tokens):
-            return prop.confidence.double()
-        f = torch.tensor([self.factor(name, d) for d in prop.depths()], dtype=torch.float64)
-        return (prop.confidence.double() * f).clamp(max=1.0)
+    def apply(self, name: str, prop: Proposal) -> list[float]:
+        """The proposal's confidences as D-cut should read them."""
+        conf = prop.confidence.tolist()
+        if name not in self.sums:
+            return conf
+        return [min(c * self.factor(name, d), 1.0) for c, d in zip(conf, prop.depths())]
 
     def observe(self, name: str, prop: Proposal, path: list[int]) -> None:
         """A verified proposal (its raw confidences) and the indices of its accepted tokens."""
@@ -52,7 +50,7 @@ class Calibration:
             return
         rows = self.sums.setdefault(name, [[0.0, 0.0] for _ in range(MAX_DEPTH)])
         accepted = set(path)
-        for i, (p, d, c) in enumerate(zip(prop.parent_index().tolist(), prop.depths(),
+        for i, (p, d, c) in enumerate(zip(prop.parent_list(), prop.depths(),
                                           prop.confidence.tolist())):
             if p >= 0 and p not in accepted:
                 continue  # its parent failed: this token was never judged

@@ -12,7 +12,7 @@ import torch
 
 from angelspec.drafters import Proposal
 from angelspec.model import Segment
-from angelspec.plugins import RATIOS, SKINNY_MAX_ROWS, dcut_select, survival
+from angelspec.plugins import RATIOS, SKINNY_MAX_ROWS, dcut_choose, survival
 from angelspec.runtime.request import RequestState
 from angelspec.runtime.verify import verify_batch
 
@@ -151,26 +151,35 @@ def propose(engine, active: list[RequestState], names: list[str],
 def cut(engine, props: list[Proposal], names: list[str], t_draft: float, t_fixed: float) -> list[Proposal]:
     """D-cut over the batch's drafts (chains or trees; names[i]: request i's drafter, whose
     confidences it reads calibrated); without it, only the row limit of the lossless kernels,
-    which drops the tokens least likely to survive."""
-    total = sum(len(p.tokens) for p in props)
+    which drops the tokens least likely to survive. In Python numbers: a step's tens of tokens
+    do not pay for tensor ops."""
+    lengths = [len(p.tokens) for p in props]
+    total = sum(lengths)
     if not total:
         return props
-    lengths = torch.tensor([len(p.tokens) for p in props], dtype=torch.long)
-    parents = torch.cat([p.parent_index() for p in props])
+    parents = [q for p in props for q in p.parent_list()]
     if engine.dcut:
-        confidence = torch.cat([engine.calibration.apply(n, p) for n, p in zip(names, props)])
+        confidence = [c for n, p in zip(names, props) for c in engine.calibration.apply(n, p)]
         cost_n, cost_t = engine.curve(len(props))[0]  # as profiled, then at this step's context
-        _, keep = dcut_select(confidence, lengths, parents, t_draft, t_fixed, cost_n,
-                              cost_t + engine.hooks.shift * cost_n, torch.tensor(RATIOS, dtype=torch.float64))
+        _, kept = dcut_choose(confidence, lengths, parents, t_draft, t_fixed, cost_n.tolist(),
+                              (cost_t + engine.hooks.shift * cost_n).tolist(), RATIOS)
         engine.stats.dcut_drafted += total
-        engine.stats.dcut_kept += int(keep.sum())
+        engine.stats.dcut_kept += len(kept)
     else:
-        confidence = torch.cat([p.confidence for p in props]).double()
-        keep = torch.ones(total, dtype=torch.bool)
-    # one forward verifies at most SKINNY_MAX_ROWS tokens (row-exact kernels: lossless)
+        kept = range(total)
+    # one forward verifies at most SKINNY_MAX_ROWS tokens (row-exact kernels: lossless); D-cut's
+    # choice comes best first
     room = SKINNY_MAX_ROWS - len(props)
-    if int(keep.sum()) > room:
-        surv = torch.where(keep, survival(confidence, parents, lengths), -1.0)
-        keep = torch.zeros(total, dtype=torch.bool)
-        keep[torch.sort(surv, descending=True, stable=True).indices[:room]] = True
-    return [p.keep(k) for p, k in zip(props, keep.split(lengths.tolist()))]
+    if len(kept) > room:
+        if not engine.dcut:
+            surv = survival([c for p in props for c in p.confidence.tolist()], parents, lengths)
+            kept = sorted(kept, key=surv.__getitem__, reverse=True)
+        kept = kept[:room]
+    mask = [False] * total
+    for i in kept:
+        mask[i] = True
+    out, start = [], 0
+    for p, k in zip(props, lengths):
+        out.append(p.keep(mask[start: start + k]))
+        start += k
+    return out

@@ -14,7 +14,7 @@ import torch
 
 from angelspec.drafters import Proposal
 from angelspec.plugins import verify_greedy as _greedy_op
-from angelspec.plugins import verify_rejection as _rejection_op
+from angelspec.plugins import verify_rejection_eager as _rejection_op
 from angelspec.plugins.attention import CHAIN
 from angelspec.sampling import probs_from_logits
 
