@@ -83,10 +83,13 @@ struct Matmul {
              static_cast<const uint16_t*>(offset), y, n, in, out, t0, t1);
   }
 
-  void add_bias(float* y, int64_t n) const {
+  void add_bias(float* y, int64_t n) const { add_bias(y, n, 0, out); }
+
+  // The bias of outputs [c0, c1) only.
+  void add_bias(float* y, int64_t n, int64_t c0, int64_t c1) const {
     if (bias)
       for (int64_t r = 0; r < n; ++r)
-        for (int64_t i = 0; i < out; ++i) y[r * out + i] += bias[i];
+        for (int64_t i = c0; i < c1; ++i) y[r * out + i] += bias[i];
   }
 };
 
