@@ -10,6 +10,7 @@ it is a build that did not finish).
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import shutil
@@ -97,7 +98,7 @@ def tune_ngram(target, drafts_dir: pathlib.Path, cost=None) -> tuple[int, dict]:
 
 
 def calibrate_routes(target, drafts_dir: pathlib.Path, candidates: list[str], cost=None,
-                     per_domain: int = 3, max_tokens: int = 64, rounds: int = 2,
+                     per_domain: int = 3, max_tokens: int = 64, rounds: int = 4,
                      draft_lens: dict | None = None) -> tuple[dict, dict]:
     """Each domain's starting drafter for `auto`: the candidate with the most tokens/s on the first
     `per_domain` bundled benchmark prompts of that domain (never the data step's held-out split),
@@ -107,8 +108,11 @@ def calibrate_routes(target, drafts_dir: pathlib.Path, candidates: list[str], co
     ngram's run of the same prompt moments apart (the median of those ratios): the machine's
     speed drifts by more than the drafters differ, and totals over a few prompts sent chat to
     dfly at 323 against ngram's 291 tokens/s on an AVX-512 EPYC, where that engine's `auto` then
-    ran the held-out prompts at 1.13x `ar` against ngram's 1.28x. Returns (routes, tokens/s per
-    domain and candidate)."""
+    ran the held-out prompts at 1.13x `ar` against ngram's 1.28x; and each prompt's ratios are
+    averaged over its rounds, half of them in each order, before the median over prompts (with 2
+    rounds of single ratios, chat's went to dfly at a median of 1.05-1.1 on one build and 0.99 on
+    a rerun, and served on the held-out prompts dfly ran chat at 0.87x `ar`, ngram at 1.10x).
+    Returns (routes, tokens/s per domain and candidate)."""
     rows = [r for r in load_prompts(DEFAULT_PROMPTS, per_domain) if r["domain"] in DOMAINS]
     ids = [target.encode_chat(r["prompt"]) for r in rows]
     engine = Engine(target, max_batch=1, max_len=max(map(len, ids)) + max_tokens + 1,
@@ -122,20 +126,24 @@ def calibrate_routes(target, drafts_dir: pathlib.Path, candidates: list[str], co
                 t0 = time.perf_counter()
                 out = engine.generate([Request(x, params, c)])[0]
                 runs[(r["domain"], c)].append((len(out.tokens), time.perf_counter() - t0))
-    return routes_from_runs(runs, candidates)
+    return routes_from_runs(runs, candidates, rounds)
 
 
-def routes_from_runs(runs: dict, candidates: list[str]) -> tuple[dict, dict]:
+def routes_from_runs(runs: dict, candidates: list[str], rounds: int = 1) -> tuple[dict, dict]:
     """calibrate_routes' verdict from its runs {(domain, drafter): [(tokens, seconds)] in the same
-    order for every drafter}: (routes, tokens/s per domain and drafter)."""
+    order for every drafter, round after round}: (routes, tokens/s per domain and drafter)."""
     domains = list(dict.fromkeys(d for d, _ in runs))
     rate = lambda t, s: t / max(s, 1e-9)  # noqa: E731
     speed = {d: {c: round(rate(sum(t for t, _ in runs[(d, c)]), sum(s for _, s in runs[(d, c)])), 2)
                  for c in candidates} for d in domains}
     if "ngram" not in candidates:
         return {d: route(s) for d, s in speed.items()}, speed
-    paired = {d: {c: statistics.median(rate(*a) / rate(*b) for a, b in zip(runs[(d, c)], runs[(d, "ngram")]))
-                  for c in candidates} for d in domains}
+    def per_prompt(d: str, c: str) -> list[float]:  # each prompt's paired ratio, geometric mean over rounds
+        ratios = [math.log(rate(*a) / rate(*b)) for a, b in zip(runs[(d, c)], runs[(d, "ngram")])]
+        n = len(ratios) // rounds
+        return [math.exp(statistics.fmean(ratios[p::n])) for p in range(n)]
+
+    paired = {d: {c: statistics.median(per_prompt(d, c)) for c in candidates} for d in domains}
     return {d: route(p) for d, p in paired.items()}, speed
 
 
