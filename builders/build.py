@@ -110,8 +110,8 @@ def calibrate_routes(target, drafts_dir: pathlib.Path, candidates: list[str], co
     dfly at 323 against ngram's 291 tokens/s on an AVX-512 EPYC, where that engine's `auto` then
     ran the held-out prompts at 1.13x `ar` against ngram's 1.28x; and each prompt's ratios are
     averaged over its rounds, half of them in each order, before the median over prompts (with 2
-    rounds of single ratios, chat's went to dfly at a median of 1.05-1.1 on one build and 0.99 on
-    a rerun, and served on the held-out prompts dfly ran chat at 0.87x `ar`, ngram at 1.10x).
+    rounds of single ratios, chat's went to dfly at a median above 1.05 on one build and 0.99
+    on a rerun, and served on the held-out prompts dfly ran chat at 0.87x `ar`, ngram at 1.10x).
     Returns (routes, tokens/s per domain and candidate)."""
     rows = [r for r in load_prompts(DEFAULT_PROMPTS, per_domain) if r["domain"] in DOMAINS]
     ids = [target.encode_chat(r["prompt"]) for r in rows]

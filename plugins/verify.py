@@ -37,7 +37,7 @@ def sample_inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
 
 
 def verify_rejection_eager(probs: Tensor, draft: Tensor, lengths: Tensor, parents: Tensor,
-                     uniforms: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+                           uniforms: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Speculative rejection sampling of deterministic proposals: the committed tokens are
     distributed exactly as the target's.
 
@@ -55,7 +55,7 @@ def verify_rejection_eager(probs: Tensor, draft: Tensor, lengths: Tensor, parent
     return accept_paths(sample_inverse_cdf(probs, uniforms), draft, lengths, parents)
 
 
-# the op runs this function; the engine calls it directly (see dcut.py: dcut_select)
+# the op runs this function; the engine calls it directly (see dcut.py: dcut_choose)
 verify_rejection = torch.library.custom_op("angelspec::verify_rejection", verify_rejection_eager, mutates_args=())
 
 
