@@ -10,8 +10,8 @@ from test_drafters import draft
 
 from angelspec.builders.build import build
 from angelspec.checkpoint import load_target
-from angelspec.drafters import Datastore
-from angelspec.drafters.draft_checkpoint import save_draft
+from angelspec.drafters import TRAINED, Datastore
+from angelspec.drafters.draft_checkpoint import load_draft, save_draft
 from angelspec.plugins import amx_available
 from angelspec.runtime import Engine, Request, SamplingParams
 from angelspec.runtime.engine_dir import load_engine
@@ -61,6 +61,22 @@ def test_manifest_names_every_part_with_checksums(parts):
     # KV cache auto: bf16 where the tiles round the activations already, else float32's own numbers
     assert m.kv_cache == ("bfloat16" if amx_available() else "float32")
     assert m.drafters["ngram"].draft_len in (3, 5, 7)
+
+
+def test_the_build_serves_the_fastest_draft_length_it_measured(parts):
+    """ngram's and MTP's draft lengths are measured (MTP: 1 up to the rollout it was trained
+    for) and the fastest is what the engine serves; DFly and DFlash keep their checkpoints'."""
+    root, _, m = parts
+    trained = {kind: load_draft(root / "drafts" / kind)[0].draft_len for kind in TRAINED}
+    speeds = {kind: d.tokens_per_s_by_draft_len for kind, d in m.drafters.items()}
+    assert sorted(speeds["mtp"], key=int) == [str(n) for n in range(1, trained["mtp"] + 1)]
+    assert sorted(speeds["ngram"], key=int) == ["3", "5", "7"]
+    for kind in ("mtp", "ngram"):
+        assert speeds[kind][str(m.drafters[kind].draft_len)] == max(speeds[kind].values())
+    for kind in ("dfly", "dflash"):
+        assert speeds[kind] is None and m.drafters[kind].draft_len == trained[kind]
+    eng = load_engine(root / "engine", max_batch=1, max_len=200)
+    assert {k: eng.drafter(k).draft_len for k in m.drafters} == {k: d.draft_len for k, d in m.drafters.items()}
 
 
 @pytest.mark.parametrize("weights,kv_cache", [("bfloat16", "float32"), ("int8", "float32"), ("int4", "bfloat16")])
@@ -273,7 +289,8 @@ def test_a_prompts_rounds_are_averaged_before_the_median_over_prompts():
 @pytest.mark.parametrize("dcut", [True, False])
 def test_routes_are_measured_as_the_engine_serves(parts, tmp_path, monkeypatch, dcut):
     """The route calibration runs the candidates with D-cut over the build's cost table when the
-    engine serves D-cut, at fixed draft lengths when it does not (and so does ngram's length)."""
+    engine serves D-cut, at fixed draft lengths when it does not (and so are ngram's and MTP's
+    draft lengths)."""
     import angelspec.builders.build as b
 
     root, _, _ = parts
@@ -286,10 +303,12 @@ def test_routes_are_measured_as_the_engine_serves(parts, tmp_path, monkeypatch, 
     m = b.build(str(root / "target"), str(root / "drafts"), str(tmp_path / "e"), str(root / "data"),
                 backends=("eager",), max_tokens=8, dcut=dcut)
     routed = [cost for names, cost in calls if "mtp" in names]
-    assert len(calls) == 2 and len(routed) == 1 and set(m.router["routes"]) == {"chat", "code", "math"}
+    assert len(calls) == 3 and len(routed) == 1 and set(m.router["routes"]) == {"chat", "code", "math"}
     assert all((cost is not None) == dcut for _, cost in calls)
     if dcut:
         assert routed[0].n == m.dcut.profile["n"]
+
+
 def test_bench_cli_with_engine_concurrency_dcut_and_auto(parts, tmp_path):
     import subprocess
     import sys

@@ -47,10 +47,10 @@ class TargetInfo:
 class DraftSpec:
     kind: str
     path: str | None = None  # its folder in the engine (ngram: only with a datastore)
-    draft_len: int | None = None  # tokens it proposes per step (ngram: tuned by the build)
+    draft_len: int | None = None  # tokens it proposes per step (ngram, mtp: tuned by the build)
     target_layer_ids: list[int] | None = None  # trained drafts: the target layers they read
     draft_vocab: int | None = None  # trained drafts: their reduced vocabulary
-    tokens_per_s_by_draft_len: dict[str, float] | None = None  # ngram: the build's tuning
+    tokens_per_s_by_draft_len: dict[str, float] | None = None  # ngram, mtp: the build's tuning
 
 
 @dataclass
