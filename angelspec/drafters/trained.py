@@ -147,7 +147,7 @@ class TrainedDrafter(Drafter):
     @staticmethod
     def take_pending(state) -> dict[int, torch.Tensor]:
         pending = state.drafter_state.get("pending", {})
-        out = {l: torch.cat(rows) for l, rows in pending.items() if rows}
+        out = {l: rows[0] if len(rows) == 1 else torch.cat(rows) for l, rows in pending.items() if rows}
         for rows in pending.values():
             rows.clear()
         return out
