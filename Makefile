@@ -24,7 +24,7 @@ help:
 	@echo "make data    training data: prompts, the target's own responses, cached features"
 	@echo "make drafts  data + ngram datastore + train mtp, dflash, dfly (PRESET=quick|full; resumes if stopped)"
 	@echo "make bench-drafts  ar, ngram, mtp, dflash, dfly on the held-out prompts"
-	@echo "make engines build $(ENGINE): target + drafts, router, backend, D-cut profile (after make drafts)"
+	@echo "make engines build $(ENGINE): target + drafts, router, backend, draft lengths, D-cut profile (after make drafts)"
 	@echo "make bench-engine  the engine at batch 1 (auto routing) and 16 in flight (D-cut on/off)"
 	@echo "make serve   start tritonserver with $(ENGINE) on 127.0.0.1 (HTTP 8000, gRPC 8001, metrics 8002)"
 	@echo "make stop    stop it"
