@@ -371,12 +371,15 @@ class Llama:
         # decoding and verification: every layer in one op, the same kernels in the same order
         if self.fused and len(tokens) <= SKINNY_MAX_ROWS and not torch.compiler.is_compiling():
             if self._prepared is None:
-                self._prepared = prepare_stack(self.layers, eps, nq, nkv, hd)
+                self._prepared = prepare_stack(self.layers, eps, nq, nkv, hd, (self.norm, self.head_w))
             layers = [i for i in capture if i > 0]
+            head = logit_rows is None  # the head in the same call; prefill's few rows after
             x, outs = decoder_stack(x, self._prepared, self.cos, self.sin, batch.rope_positions,
                                     cache.k, cache.v, batch.slots, batch.positions, batch.parents,
-                                    cfg.sliding_window, layers)
+                                    cfg.sliding_window, layers, head)
             hidden.update(zip(layers, outs))
+            if head:
+                return x, hidden
         else:
             for i, layer in enumerate(self.layers):
                 qkv = linear(rms_norm(x, layer["in_norm"], eps), layer["qkv"], layer["qkv_b"])

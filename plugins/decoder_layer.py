@@ -27,9 +27,11 @@ def weight_args(w) -> tuple[list[torch.Tensor], int]:
     return [w], 1 if w.dtype == torch.bfloat16 else 0
 
 
-def prepare_stack(layers: list[dict], eps: float, nq: int, nkv: int, head_dim: int):
+def prepare_stack(layers: list[dict], eps: float, nq: int, nkv: int, head_dim: int,
+                  head: tuple[torch.Tensor, object] | None = None):
     """Every layer's weights, checked and taken apart once (`angelspec::DecoderStack`: the layers'
-    arguments flattened layer after layer), for decoder_stack."""
+    arguments flattened layer after layer), for decoder_stack; `head` (the final norm's weight,
+    the logits' matmul weight) for its `logits`."""
     norms, weights, counts, kinds, biases = [], [], [], [], []
     for layer in layers:
         norms += [layer["in_norm"], layer["post_norm"]]
@@ -39,16 +41,22 @@ def prepare_stack(layers: list[dict], eps: float, nq: int, nkv: int, head_dim: i
             counts.append(len(w))
             kinds.append(kind)
             biases.append(layer[k + "_b"])
-    return torch.classes.angelspec.DecoderStack(norms, eps, weights, counts, kinds, biases, nq, nkv, head_dim)
+    stack = torch.classes.angelspec.DecoderStack(norms, eps, weights, counts, kinds, biases, nq, nkv, head_dim)
+    if head is not None:
+        stack.set_head(head[0], *weight_args(head[1]))
+    return stack
 
 
 def decoder_stack(x: torch.Tensor, stack, cos: torch.Tensor, sin: torch.Tensor,
                   rope_positions: torch.Tensor, k_caches: list, v_caches: list,
                   slots: torch.Tensor, positions: torch.Tensor, parents: torch.Tensor | None,
-                  window: int | None, capture: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                  window: int | None, capture: list[int], logits: bool = False
+                  ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """x [N, hidden] through every layer of `stack` (prepare_stack's) -> (the last layer's
     output, [the output of layer i (counted from 1) for i in capture]); writes this forward's
-    keys and values into each layer's caches."""
+    keys and values into each layer's caches. With `logits` (a stack prepared with its head), the
+    first is every row's logits instead: the head runs in the same call, the model's last layer
+    hands over to it without a trip through Python (Llama.head's kernels, the same numbers)."""
     out = stack.forward(x, cos, sin, rope_positions, k_caches, v_caches, slots, positions,
-                        CHAIN if parents is None else parents, window or 0, capture)
-    return out[0], out[1:]
+                        CHAIN if parents is None else parents, window or 0, capture, logits)
+    return (out[-1], out[1:-1]) if logits else (out[0], out[1:])

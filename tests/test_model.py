@@ -84,14 +84,17 @@ def test_each_layer_as_one_op_computes_what_the_ops_one_by_one_compute(tmp_path,
         assert all(torch.equal(x, y) for x, y in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v))
 
 
+@pytest.mark.parametrize("vocab", [97, 112])
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_the_one_region_forward_of_int8_dot_layers_computes_what_the_ops_compute(tmp_path, threads):
+def test_the_one_region_forward_of_int8_dot_layers_computes_what_the_ops_compute(tmp_path, threads, vocab):
     """w8a8 / w4a8 forwards of up to 16 rows run every layer in one parallel region, the threads
     sharing each matmul's tiles and the attention's items (plugins/csrc/decoder_layer.cpp's
-    run_region): bit for bit the op-by-op loop's logits, hidden states and caches, at any thread
+    run_region), and the head there too where its rows fill tiles of 16 (112; 97 runs it after
+    the region): bit for bit the op-by-op loop's logits, hidden states and caches, at any thread
     count (3 threads split 2 kv heads' items unevenly), for 1 to 16 rows, several requests and a
     token tree; 17 rows take the per-op path and agree too."""
-    make_checkpoint(tmp_path, **VARIANTS["llama_linear_rope_bias"])  # biases: added once, by one thread
+    # biases: added once, by one thread
+    make_checkpoint(tmp_path, **VARIANTS["llama_linear_rope_bias"], vocab_size=vocab)
     cfg = read_config(tmp_path)
     base = Llama(cfg, read_weights(tmp_path), max_len=128)
     ids = torch.randint(0, cfg.vocab_size, (60,), generator=torch.Generator().manual_seed(5))

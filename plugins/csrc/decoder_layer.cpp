@@ -106,13 +106,22 @@ DecoderStack::DecoderStack(std::vector<torch::Tensor> norms, double eps_, std::v
     for (const Matmul& m : L.mm) dot_only = dot_only && m.kind == 3;
 }
 
+void DecoderStack::set_head(const torch::Tensor& norm, std::vector<torch::Tensor> weights, int64_t kind) {
+  head_norm = norm_weight(norm, hidden);
+  head.clear();
+  head.emplace_back(at::TensorList(weights), kind, std::nullopt, hidden);
+  keep.push_back(norm);
+  keep.insert(keep.end(), weights.begin(), weights.end());
+}
+
 std::vector<torch::Tensor> DecoderStack::forward(const torch::Tensor& x, const torch::Tensor& cos,
                                                  const torch::Tensor& sin, const torch::Tensor& rope_positions,
                                                  at::TensorList k_caches, at::TensorList v_caches,
                                                  const torch::Tensor& slots, const torch::Tensor& positions,
                                                  const torch::Tensor& parents, int64_t window,
-                                                 at::IntArrayRef capture) const {
-  return run(x, cos, sin, rope_positions, k_caches, v_caches, window, capture, [&](int64_t n, int64_t S, int64_t M) {
+                                                 at::IntArrayRef capture, bool logits) const {
+  return run(x, cos, sin, rope_positions, k_caches, v_caches, window, capture, logits,
+             [&](int64_t n, int64_t S, int64_t M) {
     return plan_attention(slots, positions, parents, n, S, M, window);
   });
 }
@@ -121,7 +130,7 @@ torch::Tensor DecoderStack::forward_blocks(const torch::Tensor& x, const torch::
                                            at::TensorList k_caches, at::TensorList v_caches,
                                            const torch::Tensor& slots, const torch::Tensor& positions,
                                            const torch::Tensor& ends) const {
-  return run(x, cos, sin, positions, k_caches, v_caches, 0, {}, [&](int64_t n, int64_t S, int64_t M) {
+  return run(x, cos, sin, positions, k_caches, v_caches, 0, {}, false, [&](int64_t n, int64_t S, int64_t M) {
     const torch::Tensor chain = torch::zeros({0}, torch::kLong);  // no tree: chains
     AttentionPlan plan = plan_attention(slots, ends, chain, n, S, M, 0);
     const auto ps = positions.to(torch::kLong).contiguous();
@@ -137,7 +146,7 @@ torch::Tensor DecoderStack::forward_blocks(const torch::Tensor& x, const torch::
 std::vector<torch::Tensor> DecoderStack::run(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                                              const torch::Tensor& rope_positions, at::TensorList k_caches,
                                              at::TensorList v_caches, int64_t window, at::IntArrayRef capture,
-                                             const std::function<AttentionPlan(int64_t, int64_t, int64_t)>& plan_for) const {
+                                             bool logits, const std::function<AttentionPlan(int64_t, int64_t, int64_t)>& plan_for) const {
   const int64_t count = static_cast<int64_t>(layers.size());
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.size(1) == hidden,
               "decoder_layer: x float32 [N, ", hidden, "] expected, got ", x.scalar_type(), " ", x.sizes());
@@ -166,9 +175,15 @@ std::vector<torch::Tensor> DecoderStack::run(const torch::Tensor& x, const torch
     TORCH_CHECK(rpp[r] >= 0 && rpp[r] < cos.size(0), "rope_: position ", rpp[r], " outside the table");
   for (int64_t c : capture)
     TORCH_CHECK(c >= 1 && c <= count, "decoder_stack: capture names layer ", c, ", not one of 1..", count);
+  TORCH_CHECK(!logits || !head.empty(), "decoder_stack: logits asked of a stack without a head (set_head)");
   const AttentionPlan plan = plan_for(n, S, M);
 
-  std::vector<torch::Tensor> out(1 + capture.size());
+  std::vector<torch::Tensor> out(1 + capture.size() + logits);
+  float* lp = nullptr;
+  if (logits) {
+    out.back() = torch::empty({n, head[0].out}, x.options());
+    lp = out.back().data_ptr<float>();
+  }
   out[0] = x.contiguous().clone();
   float* xp = out[0].data_ptr<float>();
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
@@ -182,12 +197,18 @@ std::vector<torch::Tensor> DecoderStack::run(const torch::Tensor& x, const torch
   if (static_cast<int64_t>(buf.size()) < total) buf.resize(total);
   float *h = buf.data(), *qkv = h + sizes[0], *q = qkv + sizes[1], *k = q + sizes[2], *v = k + sizes[3],
         *attn = v + sizes[4], *mid = attn + sizes[5], *up = mid + sizes[6], *act = up + sizes[7];
-  if (dot_only && n <= kRegionRows && at::get_num_threads() > 1) {
+  // a head of int8 dot products runs in the region too, as its last matmul (no second region, no
+  // trip through Python for the final norm and the logits: the default target's `ar` step 4.3%
+  // faster when memory is fast, 2% when slow; alternated in one process, AVX-512 EPYC); any
+  // other head after it
+  const bool region = dot_only && n <= kRegionRows && at::get_num_threads() > 1;
+  const bool head_in_region = region && logits && head[0].kind == 3;
+  if (region) {
     float* const bufs[] = {h, qkv, q, k, v, attn, mid, up, act};
-    run_region(xp, cp, sp, rpp, n, kc.data(), vc.data(), bf16, M, window, plan, capture, out, bufs);
-    return out;
+    run_region(xp, cp, sp, rpp, n, kc.data(), vc.data(), bf16, M, window, plan, capture, out, bufs,
+               head_in_region ? lp : nullptr);
   }
-  for (int64_t l = 0; l < count; ++l) {
+  for (int64_t l = 0; l < count && !region; ++l) {
     const Layer& L = layers[l];
     rms_norm_rows(xp, L.in_norm, h, n, hidden, eps);
     L.mm[0](h, qkv, n);
@@ -203,6 +224,10 @@ std::vector<torch::Tensor> DecoderStack::run(const torch::Tensor& x, const torch
     add_rows(mid, xp, xp, n * hidden);
     for (size_t c = 0; c < capture.size(); ++c)
       if (capture[c] == l + 1) out[1 + c] = out[0].clone();
+  }
+  if (logits && !head_in_region) {
+    rms_norm_rows(xp, head_norm, h, n, hidden, eps);
+    head[0](h, lp, n);
   }
   return out;
 }
@@ -222,7 +247,7 @@ std::vector<torch::Tensor> DecoderStack::run(const torch::Tensor& x, const torch
 void DecoderStack::run_region(float* xp, const float* cp, const float* sp, const int64_t* rpp, int64_t n,
                               void* const* kc, void* const* vc, bool bf16, int64_t M, int64_t window,
                               const AttentionPlan& plan, at::IntArrayRef capture, std::vector<torch::Tensor>& out,
-                              float* const* bufs) const {
+                              float* const* bufs, float* logits) const {
   const int64_t count = static_cast<int64_t>(layers.size());
   std::vector<float*> caps(capture.size());
   for (size_t c = 0; c < capture.size(); ++c) {
@@ -294,6 +319,10 @@ void DecoderStack::run_region(float* xp, const float* cp, const float* sp, const
           if (capture[c] == l + 1) std::memcpy(caps[c], x, n * hidden * sizeof(float));
     }
     if (t == 0) std::memcpy(xp, x, n * hidden * sizeof(float));
+    if (logits) {  // the head, its tiles shared as a layer's matmul (the region's end joins them)
+      rms_norm_rows(x, head_norm, h, n, hidden, eps);
+      matmul(head[0], h, logits);
+    }
   }
 }
 
@@ -301,6 +330,7 @@ TORCH_LIBRARY_FRAGMENT(angelspec, m) {
   m.class_<DecoderStack>("DecoderStack")
       .def(torch::init<std::vector<torch::Tensor>, double, std::vector<torch::Tensor>, std::vector<int64_t>,
                        std::vector<int64_t>, std::vector<std::optional<torch::Tensor>>, int64_t, int64_t, int64_t>())
+      .def("set_head", &DecoderStack::set_head)
       .def("forward", &DecoderStack::forward)
       .def("forward_blocks", &DecoderStack::forward_blocks);
 }

@@ -111,6 +111,9 @@ inline const float* norm_weight(const torch::Tensor& w, int64_t hidden) {
 struct DecoderStack : torch::CustomClassHolder {
   std::vector<torch::Tensor> keep;
   std::vector<Layer> layers;
+  // The final norm and the logits' matmul, when set_head gave them: forward's `logits`.
+  const float* head_norm = nullptr;
+  std::vector<Matmul> head;  // none or one
   double eps;
   int64_t hidden = 0, nq, nkv, D, inter = 0;
 
@@ -121,14 +124,19 @@ struct DecoderStack : torch::CustomClassHolder {
                std::vector<int64_t> counts, std::vector<int64_t> kinds,
                std::vector<std::optional<torch::Tensor>> biases, int64_t nq_, int64_t nkv_, int64_t head_dim);
 
+  // The model's final norm (float32 [hidden]) and logits' matmul (`weights` of `kind`, as for a
+  // layer's), for forward's `logits`.
+  void set_head(const torch::Tensor& norm, std::vector<torch::Tensor> weights, int64_t kind);
+
   // x [N, hidden] through every layer, writing this forward's keys and values into each layer's
   // caches (cached_attention's arguments) -> the last layer's output, then the output of layer i
-  // (counted from 1) for each i in `capture`, in its order.
+  // (counted from 1) for each i in `capture`, in its order; with `logits`, then every row's
+  // logits (the head of set_head: rms_norm and the matmul, the kernels Llama.head calls).
   std::vector<torch::Tensor> forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                                      const torch::Tensor& rope_positions, at::TensorList k_caches,
                                      at::TensorList v_caches, const torch::Tensor& slots,
                                      const torch::Tensor& positions, const torch::Tensor& parents, int64_t window,
-                                     at::IntArrayRef capture) const;
+                                     at::IntArrayRef capture, bool logits) const;
 
   // Blocks drafted in one parallel pass (DFly): x [N, hidden] at (slots, positions), whose keys
   // and values are written there first; each row then attends to its slot's keys up to its
@@ -141,13 +149,14 @@ struct DecoderStack : torch::CustomClassHolder {
  private:
   // Every matmul int8 dot products (kind 3) and at most kRegionRows rows: run_region's path.
   bool dot_only = false;
-  // x through the layers in one parallel region (see there); run's arguments, checked.
+  // x through the layers in one parallel region (see there); run's arguments, checked; with
+  // `logits`, the head (of int8 dot products) after the last layer, in the same region.
   void run_region(float* xp, const float* cp, const float* sp, const int64_t* rpp, int64_t n, void* const* kc,
                   void* const* vc, bool bf16, int64_t M, int64_t window, const AttentionPlan& plan,
-                  at::IntArrayRef capture, std::vector<torch::Tensor>& out, float* const* bufs) const;
-  // Both forwards: the attention's plan from plan_for(rows, cache slots, cache positions).
+                  at::IntArrayRef capture, std::vector<torch::Tensor>& out, float* const* bufs, float* logits) const;
+  // Both forwards (forward_blocks without logits): the attention's plan from plan_for(rows, cache slots, cache positions).
   std::vector<torch::Tensor> run(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                                  const torch::Tensor& rope_positions, at::TensorList k_caches,
-                                 at::TensorList v_caches, int64_t window, at::IntArrayRef capture,
+                                 at::TensorList v_caches, int64_t window, at::IntArrayRef capture, bool logits,
                                  const std::function<AttentionPlan(int64_t, int64_t, int64_t)>& plan_for) const;
 };

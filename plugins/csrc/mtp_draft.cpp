@@ -64,7 +64,7 @@ struct MTPDraft : torch::CustomClassHolder {
       const int64_t b = std::min(n, a + max_rows);
       const auto pos = positions.slice(0, a, b);
       const auto y = layer->forward(x.slice(0, a, b), cos, sin, pos, {k_cache}, {v_cache}, slots.slice(0, a, b),
-                                    pos, chain, 0, {})[0];
+                                    pos, chain, 0, {}, false)[0];
       std::memcpy(out + a * hidden, y.data_ptr<float>(), (b - a) * hidden * sizeof(float));
     }
   }
