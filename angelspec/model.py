@@ -365,22 +365,24 @@ class Llama:
         cfg = self.cfg
         if batch.kv_len > cache.max_len:
             raise ValueError(f"sequence of {batch.kv_len} tokens exceeds the cache ({cache.max_len})")
-        x = F.embedding(tokens, self.embed)
-        hidden = {0: x} if 0 in capture else {}
         nq, nkv, hd, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
-        # decoding and verification: every layer in one op, the same kernels in the same order
+        # decoding and verification: every layer in one op, the same kernels in the same order,
+        # the embedding lookup before them and the head after them in the same call
         if self.fused and len(tokens) <= SKINNY_MAX_ROWS and not torch.compiler.is_compiling():
             if self._prepared is None:
-                self._prepared = prepare_stack(self.layers, eps, nq, nkv, hd, (self.norm, self.head_w))
+                self._prepared = prepare_stack(self.layers, eps, nq, nkv, hd, self.embed, (self.norm, self.head_w))
+            hidden = {0: F.embedding(tokens, self.embed)} if 0 in capture else {}
             layers = [i for i in capture if i > 0]
-            head = logit_rows is None  # the head in the same call; prefill's few rows after
-            x, outs = decoder_stack(x, self._prepared, self.cos, self.sin, batch.rope_positions,
+            head = logit_rows is None  # prefill's few rows: the head after
+            x, outs = decoder_stack(tokens, self._prepared, self.cos, self.sin, batch.rope_positions,
                                     cache.k, cache.v, batch.slots, batch.positions, batch.parents,
                                     cfg.sliding_window, layers, head)
             hidden.update(zip(layers, outs))
             if head:
                 return x, hidden
         else:
+            x = F.embedding(tokens, self.embed)
+            hidden = {0: x} if 0 in capture else {}
             for i, layer in enumerate(self.layers):
                 qkv = linear(rms_norm(x, layer["in_norm"], eps), layer["qkv"], layer["qkv_b"])
                 qkv = qkv.view(-1, nq + 2 * nkv, hd)

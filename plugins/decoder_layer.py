@@ -28,10 +28,11 @@ def weight_args(w) -> tuple[list[torch.Tensor], int]:
 
 
 def prepare_stack(layers: list[dict], eps: float, nq: int, nkv: int, head_dim: int,
-                  head: tuple[torch.Tensor, object] | None = None):
+                  embed: torch.Tensor | None = None, head: tuple[torch.Tensor, object] | None = None):
     """Every layer's weights, checked and taken apart once (`angelspec::DecoderStack`: the layers'
-    arguments flattened layer after layer), for decoder_stack; `head` (the final norm's weight,
-    the logits' matmul weight) for its `logits`."""
+    arguments flattened layer after layer), for decoder_stack; `embed` (the token embeddings) for
+    token ids in place of x, `head` (the final norm's weight, the logits' matmul weight) for its
+    `logits`."""
     norms, weights, counts, kinds, biases = [], [], [], [], []
     for layer in layers:
         norms += [layer["in_norm"], layer["post_norm"]]
@@ -42,6 +43,8 @@ def prepare_stack(layers: list[dict], eps: float, nq: int, nkv: int, head_dim: i
             kinds.append(kind)
             biases.append(layer[k + "_b"])
     stack = torch.classes.angelspec.DecoderStack(norms, eps, weights, counts, kinds, biases, nq, nkv, head_dim)
+    if embed is not None:
+        stack.set_embed(embed)
     if head is not None:
         stack.set_head(head[0], *weight_args(head[1]))
     return stack
@@ -52,7 +55,8 @@ def decoder_stack(x: torch.Tensor, stack, cos: torch.Tensor, sin: torch.Tensor,
                   slots: torch.Tensor, positions: torch.Tensor, parents: torch.Tensor | None,
                   window: int | None, capture: list[int], logits: bool = False
                   ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """x [N, hidden] through every layer of `stack` (prepare_stack's) -> (the last layer's
+    """x [N, hidden] (or token ids [N], a stack prepared with the embeddings: looked up in the
+    same call) through every layer of `stack` (prepare_stack's) -> (the last layer's
     output, [the output of layer i (counted from 1) for i in capture]); writes this forward's
     keys and values into each layer's caches. With `logits` (a stack prepared with its head), the
     first is every row's logits instead: the head runs in the same call, the model's last layer

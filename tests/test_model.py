@@ -127,6 +127,16 @@ def test_the_layer_stack_names_a_captured_layer_it_does_not_have(tmp_path):
                       capture=(1, cfg.num_layers + 1))
 
 
+def test_a_token_outside_the_vocabulary_is_a_clear_error(tmp_path):
+    """The layer stack looks the token ids up itself (the embeddings in the same call)."""
+    make_checkpoint(tmp_path)
+    cfg = read_config(tmp_path)
+    model = Llama(cfg, read_weights(tmp_path), max_len=64)
+    bad = torch.tensor([1, cfg.vocab_size])
+    with pytest.raises(RuntimeError, match=f"token id {cfg.vocab_size} outside the vocabulary"):
+        model.forward(bad, model.batch([Segment(0, 0, 2)]), model.new_cache(1, 64))
+
+
 def test_each_layer_as_one_op_with_bf16_rows_where_the_cpu_has_tiles():
     rerun_without_amx("tests/test_model.py::test_each_layer_as_one_op_computes_what_the_ops_one_by_one_compute"
                       "[llama_linear_rope_bias]")

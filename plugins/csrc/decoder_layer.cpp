@@ -106,6 +106,14 @@ DecoderStack::DecoderStack(std::vector<torch::Tensor> norms, double eps_, std::v
     for (const Matmul& m : L.mm) dot_only = dot_only && m.kind == 3;
 }
 
+void DecoderStack::set_embed(const torch::Tensor& table) {
+  TORCH_CHECK(table.scalar_type() == torch::kFloat32 && table.dim() == 2 && table.size(1) == hidden &&
+                  table.is_contiguous(),
+              "decoder_stack: embeddings float32 [vocab, ", hidden, "] expected, got ", table.scalar_type(), " ",
+              table.sizes());
+  embed = table;
+}
+
 void DecoderStack::set_head(const torch::Tensor& norm, std::vector<torch::Tensor> weights, int64_t kind) {
   head_norm = norm_weight(norm, hidden);
   head.clear();
@@ -148,8 +156,11 @@ std::vector<torch::Tensor> DecoderStack::run(const torch::Tensor& x, const torch
                                              at::TensorList v_caches, int64_t window, at::IntArrayRef capture,
                                              bool logits, const std::function<AttentionPlan(int64_t, int64_t, int64_t)>& plan_for) const {
   const int64_t count = static_cast<int64_t>(layers.size());
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.size(1) == hidden,
-              "decoder_layer: x float32 [N, ", hidden, "] expected, got ", x.scalar_type(), " ", x.sizes());
+  const bool ids = !x.is_floating_point();
+  TORCH_CHECK(ids ? x.dim() == 1 && embed.defined()
+                  : x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.size(1) == hidden,
+              "decoder_layer: x float32 [N, ", hidden, "] (or integer token ids [N] with set_embed's table) expected, got ",
+              x.scalar_type(), " ", x.sizes());
   TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == count && static_cast<int64_t>(v_caches.size()) == count,
               "decoder_stack: a key and a value cache for each of ", count, " layers, got ", k_caches.size(),
               " and ", v_caches.size());
@@ -181,10 +192,23 @@ std::vector<torch::Tensor> DecoderStack::run(const torch::Tensor& x, const torch
   std::vector<torch::Tensor> out(1 + capture.size() + logits);
   float* lp = nullptr;
   if (logits) {
-    out.back() = torch::empty({n, head[0].out}, x.options());
+    out.back() = torch::empty({n, head[0].out}, torch::kFloat32);
     lp = out.back().data_ptr<float>();
   }
-  out[0] = x.contiguous().clone();
+  if (ids) {  // the embeddings' rows, as F.embedding gives them
+    const auto tc = x.to(torch::kLong).contiguous();
+    const int64_t* tp = tc.data_ptr<int64_t>();
+    const int64_t vocab = embed.size(0);
+    out[0] = torch::empty({n, hidden}, embed.options());
+    for (int64_t r = 0; r < n; ++r) {
+      TORCH_CHECK(tp[r] >= 0 && tp[r] < vocab, "decoder_stack: token id ", tp[r], " outside the vocabulary (",
+                  vocab, ")");
+      std::memcpy(out[0].data_ptr<float>() + r * hidden, embed.data_ptr<float>() + tp[r] * hidden,
+                  hidden * sizeof(float));
+    }
+  } else {
+    out[0] = x.contiguous().clone();
+  }
   float* xp = out[0].data_ptr<float>();
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   // the calling thread's buffers, kept from call to call
@@ -330,6 +354,7 @@ TORCH_LIBRARY_FRAGMENT(angelspec, m) {
   m.class_<DecoderStack>("DecoderStack")
       .def(torch::init<std::vector<torch::Tensor>, double, std::vector<torch::Tensor>, std::vector<int64_t>,
                        std::vector<int64_t>, std::vector<std::optional<torch::Tensor>>, int64_t, int64_t, int64_t>())
+      .def("set_embed", &DecoderStack::set_embed)
       .def("set_head", &DecoderStack::set_head)
       .def("forward", &DecoderStack::forward)
       .def("forward_blocks", &DecoderStack::forward_blocks);

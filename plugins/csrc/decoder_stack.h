@@ -111,7 +111,9 @@ inline const float* norm_weight(const torch::Tensor& w, int64_t hidden) {
 struct DecoderStack : torch::CustomClassHolder {
   std::vector<torch::Tensor> keep;
   std::vector<Layer> layers;
-  // The final norm and the logits' matmul, when set_head gave them: forward's `logits`.
+  // The token embeddings (set_embed: forward's x may be token ids), the final norm and the
+  // logits' matmul (set_head: forward's `logits`).
+  torch::Tensor embed;
   const float* head_norm = nullptr;
   std::vector<Matmul> head;  // none or one
   double eps;
@@ -124,11 +126,14 @@ struct DecoderStack : torch::CustomClassHolder {
                std::vector<int64_t> counts, std::vector<int64_t> kinds,
                std::vector<std::optional<torch::Tensor>> biases, int64_t nq_, int64_t nkv_, int64_t head_dim);
 
+  // The model's token embeddings (float32 [vocab, hidden]), for forward's token ids.
+  void set_embed(const torch::Tensor& table);
+
   // The model's final norm (float32 [hidden]) and logits' matmul (`weights` of `kind`, as for a
   // layer's), for forward's `logits`.
   void set_head(const torch::Tensor& norm, std::vector<torch::Tensor> weights, int64_t kind);
 
-  // x [N, hidden] through every layer, writing this forward's keys and values into each layer's
+  // x [N, hidden] (or token ids [N], int64, with set_embed's table) through every layer, writing this forward's keys and values into each layer's
   // caches (cached_attention's arguments) -> the last layer's output, then the output of layer i
   // (counted from 1) for each i in `capture`, in its order; with `logits`, then every row's
   // logits (the head of set_head: rms_norm and the matmul, the kernels Llama.head calls).
