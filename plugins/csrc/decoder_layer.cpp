@@ -1,9 +1,11 @@
 // The decoder layers of a decoding or verification forward (up to SKINNY_MAX_ROWS rows) in one
-// call (DecoderStack; a draft's layer is a stack of one): the same kernels, in the same order, as angelspec/model.py's layer loop calls them one by
-// one (so the numbers are the same, bit for bit), without a trip through Python and the
-// dispatcher for each of them, and on raw rows (layer_rows.h) in buffers kept from call to call:
-// no tensor is made and no framework code runs between two kernels. The arguments are checked
-// once a call, the attention's plan (each row's keys) built once for every layer.
+// call (DecoderStack; a draft's layer is a stack of one), for the model's forward with the
+// embedding lookup before them and the head after them: the same kernels, in the same order, as
+// angelspec/model.py's layer loop calls them one by one (so the numbers are the same, bit for
+// bit), without a trip through Python and the dispatcher for each of them, and on raw rows
+// (layer_rows.h) in buffers kept from call to call: no tensor is made and no framework code runs
+// between two kernels. The arguments are checked once a call, the attention's plan (each row's
+// keys) built once for every layer.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <omp.h>

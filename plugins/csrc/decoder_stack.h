@@ -133,8 +133,9 @@ struct DecoderStack : torch::CustomClassHolder {
   // layer's), for forward's `logits`.
   void set_head(const torch::Tensor& norm, std::vector<torch::Tensor> weights, int64_t kind);
 
-  // x [N, hidden] (or token ids [N], int64, with set_embed's table) through every layer, writing this forward's keys and values into each layer's
-  // caches (cached_attention's arguments) -> the last layer's output, then the output of layer i
+  // x [N, hidden] (or integer token ids [N], with set_embed's table) through every layer,
+  // writing this forward's keys and values into each layer's caches (cached_attention's
+  // arguments) -> the last layer's output, then the output of layer i
   // (counted from 1) for each i in `capture`, in its order; with `logits`, then every row's
   // logits (the head of set_head: rms_norm and the matmul, the kernels Llama.head calls).
   std::vector<torch::Tensor> forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
@@ -159,7 +160,8 @@ struct DecoderStack : torch::CustomClassHolder {
   void run_region(float* xp, const float* cp, const float* sp, const int64_t* rpp, int64_t n, void* const* kc,
                   void* const* vc, bool bf16, int64_t M, int64_t window, const AttentionPlan& plan,
                   at::IntArrayRef capture, std::vector<torch::Tensor>& out, float* const* bufs, float* logits) const;
-  // Both forwards (forward_blocks without logits): the attention's plan from plan_for(rows, cache slots, cache positions).
+  // Both forwards (forward_blocks without logits): the attention's plan from plan_for(rows,
+  // cache slots, cache positions).
   std::vector<torch::Tensor> run(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                                  const torch::Tensor& rope_positions, at::TensorList k_caches,
                                  at::TensorList v_caches, int64_t window, at::IntArrayRef capture, bool logits,
