@@ -374,7 +374,7 @@ class Llama:
             hidden = {0: F.embedding(tokens, self.embed)} if 0 in capture else {}
             layers = [i for i in capture if i > 0]
             head = logit_rows is None  # prefill's few rows: the head after
-            x, outs = decoder_stack(tokens, self._prepared, self.cos, self.sin, batch.rope_positions,
+            x, outs = decoder_stack(hidden.get(0, tokens), self._prepared, self.cos, self.sin, batch.rope_positions,
                                     cache.k, cache.v, batch.slots, batch.positions, batch.parents,
                                     cfg.sliding_window, layers, head)
             hidden.update(zip(layers, outs))

@@ -202,11 +202,12 @@ std::vector<torch::Tensor> DecoderStack::run(const torch::Tensor& x, const torch
     const int64_t* tp = tc.data_ptr<int64_t>();
     const int64_t vocab = embed.size(0);
     out[0] = torch::empty({n, hidden}, embed.options());
+    const float* table = embed.data_ptr<float>();
+    float* rows = out[0].data_ptr<float>();
     for (int64_t r = 0; r < n; ++r) {
       TORCH_CHECK(tp[r] >= 0 && tp[r] < vocab, "decoder_stack: token id ", tp[r], " outside the vocabulary (",
                   vocab, ")");
-      std::memcpy(out[0].data_ptr<float>() + r * hidden, embed.data_ptr<float>() + tp[r] * hidden,
-                  hidden * sizeof(float));
+      std::memcpy(rows + r * hidden, table + tp[r] * hidden, hidden * sizeof(float));
     }
   } else {
     out[0] = x.contiguous().clone();
