@@ -333,11 +333,20 @@ class Llama:
         m.serve(weights)
         return m
 
-    def weight_bytes(self) -> int:
-        """Bytes of weights one forward reads (the embedding lookup reads only a few rows)."""
-        tensors = [self.norm, self.head_w] + [t for l in self.layers for t in l.values()
-                                              if t is not None]
-        return sum(t.nbytes for t in tensors)
+    def weight_bytes(self, head: bool = True) -> int:
+        """Bytes of weights one forward reads (the embedding lookup reads only a few rows); without
+        `head`, its layers' alone."""
+        tensors = [t for l in self.layers for t in l.values() if t is not None]
+        return sum(t.nbytes for t in tensors + ([self.norm, self.head_w] if head else []))
+
+    def repeating_first_layer(self) -> "Llama":
+        """This model with every layer its first (the same tensors), run eagerly: its forward does
+        the work of this one's on the weights of one layer, which stay in cache from layer to
+        layer (bench: what a forward's compute costs apart from streaming its weights)."""
+        m = copy.copy(self)
+        m.layers = [self.layers[0]] * len(self.layers)
+        m.compiled, m.backend, m._prepared = None, "eager", None
+        return m
 
     def new_cache(self, slots: int, max_len: int | None = None) -> KVCache:
         return KVCache(self.cfg, slots, max_len or self.max_len, self.kv_dtype)

@@ -51,6 +51,37 @@ def stream_bandwidth(buf: torch.Tensor, reps: int = 3) -> float:
     return buf.numel() * 4 / best / 1e9
 
 
+class LayerTimes:
+    """The layers of a one-row forward after CONTEXT cached tokens, sampled before every batch
+    beside the streaming figure: as served (their weights streamed from memory), and on the model
+    repeating its first layer (Llama.repeating_first_layer: the same compute, its weights in
+    cache). A forward that overlapped its compute with reading its weights would take the larger
+    of the second and the weights' streaming time, one that did not, their sum."""
+    CONTEXT = 256
+
+    def __init__(self, target: Target):
+        n = self.context = min(self.CONTEXT, target.model.max_len - 1)
+        toks = torch.arange(n + 1) % target.config.vocab_size
+        self.token, self.no_rows = toks[n:], torch.zeros(0, dtype=torch.long)  # no head
+        self.runs = []
+        for model in (target.model, target.model.repeating_first_layer()):
+            cache = model.new_cache(1, n + 1)
+            model.forward(toks[:n], model.batch([Segment(0, 0, n)]), cache, logit_rows=torch.tensor([n - 1]))
+            self.runs.append((model, cache, model.batch([Segment(0, n, 1)])))
+
+    def ms(self, reps: int = 5) -> tuple[float, float]:
+        """Median ms of `reps` such forwards: as served, with the weights in cache."""
+        out = []
+        for model, cache, batch in self.runs:
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                model.forward(self.token, batch, cache, logit_rows=self.no_rows)
+                times.append(time.perf_counter() - t0)
+            out.append(statistics.median(times) * 1000)
+        return out[0], out[1]
+
+
 @dataclass
 class Run:
     """One drafter's outputs and timings over all prompts."""
@@ -378,9 +409,11 @@ def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_t
             engine.drafter_key(d)  # unknown drafters and unfit drafts fail before any work
     run_engine_chunk(engine, Run("ar", len(ids)), ids, [0], "warm-up", 8)
     settle_heap()
-    # the bandwidth reference is sampled before every batch, under the same conditions as the
-    # decoding it is compared with (this machine's speed drifts), and its median is reported
-    stream_buf, samples = stream_buffer(), []
+    # the bandwidth reference (and the layers' times) are sampled before every batch, under the
+    # same conditions as the decoding they are compared with (this machine's speed drifts), and
+    # their medians reported
+    stream_buf, samples, layer_ms = stream_buffer(), [], []
+    layers = LayerTimes(target)
     outside = {"hf": HFRunner, "llamacpp": LlamaCppRunner,
                "float32": lambda t: Float32Runner(t, batch_size, max_len)}
     outside = {d: outside[d](target) for d in names if d in REFERENCES}
@@ -392,6 +425,7 @@ def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_t
                                              desc=f"bench {','.join(r.label for r in runs)}",
                                              unit="batch", file=sys.stderr)):
         samples.append(stream_bandwidth(buf=stream_buf))
+        layer_ms.append(layers.ms())
         for run in runs[k % len(runs):] + runs[:k % len(runs)]:
             mark = run.mark()
             if run.drafter in outside:
@@ -408,7 +442,8 @@ def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_t
             run_engine_chunk(single, ref_run, ids, chunk, domain, max_tokens, sampling)
         ref = ref_run.outputs
     bandwidth = statistics.median(samples)
-    del stream_buf
+    context = layers.context
+    del stream_buf, layers
     huge = huge_page_mb()  # the served weights', where the system granted huge pages
     weight_bytes = target.model.weight_bytes()
     rows = []
@@ -478,6 +513,12 @@ def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_t
             "torch": torch.__version__, "weight_mb": round(weight_bytes / 1e6, 1),
             "huge_page_mb": None if huge is None else round(huge, 1),
             "stream_bandwidth_gb_per_s": round(bandwidth, 2),
+            # the layers of a one-row forward (LayerTimes), medians over the batches: as served,
+            # with their weights in cache, and their weights' streaming time at the machine's rate
+            "layers_context": context,
+            "layers_served_ms": round(statistics.median(a for a, _ in layer_ms), 3),
+            "layers_in_cache_ms": round(statistics.median(b for _, b in layer_ms), 3),
+            "layers_stream_ms": round(target.model.weight_bytes(head=False) / bandwidth / 1e6, 3),
             "dcut_kept_fraction": round(engine.stats.dcut_kept / engine.stats.dcut_drafted, 3)
             if engine.stats.dcut_drafted else None,
         },
@@ -540,6 +581,11 @@ def format_table(result: dict) -> str:
                      f"{pairs[0][1]['batches']}): " + ", ".join(
                          f"{d} {p['median']:.2f} [{p['min']:.2f}-{p['max']:.2f}] {p['at_least_ar']}"
                          for d, p in pairs))
+    if "layers_in_cache_ms" in cfg:
+        lines.append(f"a one-row forward's layers after {cfg['layers_context']} tokens: {cfg['layers_served_ms']:.2f} "
+                     f"ms as served; {cfg['layers_in_cache_ms']:.2f} ms of compute with their weights in "
+                     f"cache and {cfg['layers_stream_ms']:.2f} ms to stream their weights at the machine's "
+                     "rate (a forward overlapping the two takes the larger, one that does not their sum)")
     if cfg.get("llamacpp_extra_buffers") is False:
         lines.append("llamacpp ran without its extra buffer types (--no-repack): its AMX-INT8 matmul "
                      "crashed on such a CPU here (llama.cpp issue 20824)")
