@@ -405,6 +405,8 @@ class Llama:
                 if i + 1 in capture:
                     hidden[i + 1] = x
         if logit_rows is not None:
+            if not len(logit_rows):  # no row's logits: no head
+                return x.new_empty(0, self.cfg.vocab_size), hidden
             x = x[logit_rows]
         return self.head(x), hidden
 

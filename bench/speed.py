@@ -29,6 +29,7 @@ from angelspec.default_target import gguf_folder
 from angelspec.model import Segment
 from angelspec.pages import huge_page_mb, zeros_on_huge_pages
 from angelspec.runtime import Engine, Request, SamplingParams, settle_heap
+from angelspec.runtime.backend import DecodeStep
 from angelspec.runtime.cost import cpu_flags, cpu_model, profile
 from angelspec.runtime.engine_dir import load_engine
 
@@ -60,26 +61,11 @@ class LayerTimes:
     CONTEXT = 256
 
     def __init__(self, target: Target):
-        n = self.context = min(self.CONTEXT, target.model.max_len - 1)
-        toks = torch.arange(n + 1) % target.config.vocab_size
-        self.token, self.no_rows = toks[n:], torch.zeros(0, dtype=torch.long)  # no head
-        self.runs = []
-        for model in (target.model, target.model.repeating_first_layer()):
-            cache = model.new_cache(1, n + 1)
-            model.forward(toks[:n], model.batch([Segment(0, 0, n)]), cache, logit_rows=torch.tensor([n - 1]))
-            self.runs.append((model, cache, model.batch([Segment(0, n, 1)])))
+        self.steps = [DecodeStep(m, self.CONTEXT) for m in (target.model, target.model.repeating_first_layer())]
 
     def ms(self, reps: int = 5) -> tuple[float, float]:
         """Median ms of `reps` such forwards: as served, with the weights in cache."""
-        out = []
-        for model, cache, batch in self.runs:
-            times = []
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                model.forward(self.token, batch, cache, logit_rows=self.no_rows)
-                times.append(time.perf_counter() - t0)
-            out.append(statistics.median(times) * 1000)
-        return out[0], out[1]
+        return tuple(s.ms(reps, head=False) for s in self.steps)
 
 
 @dataclass
@@ -442,7 +428,6 @@ def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_t
             run_engine_chunk(single, ref_run, ids, chunk, domain, max_tokens, sampling)
         ref = ref_run.outputs
     bandwidth = statistics.median(samples)
-    context = layers.context
     del stream_buf, layers
     huge = huge_page_mb()  # the served weights', where the system granted huge pages
     weight_bytes = target.model.weight_bytes()
@@ -515,7 +500,7 @@ def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_t
             "stream_bandwidth_gb_per_s": round(bandwidth, 2),
             # the layers of a one-row forward (LayerTimes), medians over the batches: as served,
             # with their weights in cache, and their weights' streaming time at the machine's rate
-            "layers_context": context,
+            "layers_context": LayerTimes.CONTEXT,
             "layers_served_ms": round(statistics.median(a for a, _ in layer_ms), 3),
             "layers_in_cache_ms": round(statistics.median(b for _, b in layer_ms), 3),
             "layers_stream_ms": round(target.model.weight_bytes(head=False) / bandwidth / 1e6, 3),

@@ -142,6 +142,24 @@ def test_each_layer_as_one_op_with_bf16_rows_where_the_cpu_has_tiles():
                       "[llama_linear_rope_bias]")
 
 
+def test_no_logits_rows_skip_the_head_and_the_repeating_model_runs_layer_one_throughout(tiny):
+    """bench's layer times: a forward asked for no row's logits computes none (and writes the
+    same keys and values); the model repeating its first layer shares that layer's tensors and
+    leaves the model as it was."""
+    model, ids = tiny.model, torch.arange(6)
+    caches = [model.new_cache(1, 16) for _ in range(2)]
+    logits, first = model.forward(ids, model.batch([Segment(0, 0, 6)]), caches[0], capture=(1,))
+    none, _ = model.forward(ids, model.batch([Segment(0, 0, 6)]), caches[1],
+                            logit_rows=torch.zeros(0, dtype=torch.long))
+    assert logits.shape == (6, tiny.config.vocab_size) and none.shape == (0, tiny.config.vocab_size)
+    assert all(torch.equal(a, b) for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v))
+    rep = model.repeating_first_layer()
+    assert len(rep.layers) == len(model.layers) and all(layer is model.layers[0] for layer in rep.layers)
+    assert model.layers[1] is not model.layers[0] and rep.backend == "eager"
+    _, again = rep.forward(ids, rep.batch([Segment(0, 0, 6)]), rep.new_cache(1, 16), capture=(1,))
+    assert torch.equal(again[1], first[1])
+
+
 def test_hidden_states_of_chosen_layers(tmp_path):
     hf = make_checkpoint(tmp_path)
     cfg = read_config(tmp_path)

@@ -30,20 +30,36 @@ WEIGHTS = ("auto", "float32", "bfloat16") + SCHEMES
 LOADED = 16  # requests in flight for an engine's second measurement (choose_weights)
 
 
+class DecodeStep:
+    """A decoding step of `model`: one token for each of `requests` requests after `context` cached
+    tokens each, the caches filled once; `ms` times it."""
+
+    def __init__(self, model: Llama, context: int = 256, requests: int = 1):
+        self.model, self.cache = model, model.new_cache(requests, context + 2)
+        toks = torch.arange(context + 1) % model.cfg.vocab_size
+        model.forward(toks[:context].repeat(requests), model.batch([Segment(r, 0, context) for r in range(requests)]),
+                      self.cache, logit_rows=torch.arange(1, requests + 1) * context - 1)
+        self.tokens = toks[context:].repeat(requests)
+        self.step = model.batch([Segment(r, context, 1) for r in range(requests)])
+
+    @torch.inference_mode()
+    def ms(self, reps: int = 9, head: bool = True) -> float:
+        """Median ms of `reps` steps; without `head`, of their layers alone (the eager forward,
+        asked for no logits' rows)."""
+        forward = self.model.forward if head else self.model.eager_forward
+        rows = None if head else torch.zeros(0, dtype=torch.long)
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            forward(self.tokens, self.step, self.cache, rows)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times) * 1000
+
+
 def decode_ms(model: Llama, context: int = 256, reps: int = 9, requests: int = 1) -> float:
     """Median ms of a decoding step: one token for each of `requests` requests, after `context`
     cached tokens each."""
-    cache = model.new_cache(requests, context + 2)
-    toks = torch.arange(context + 1) % model.cfg.vocab_size
-    model.forward(toks[:context].repeat(requests), model.batch([Segment(r, 0, context) for r in range(requests)]),
-                  cache, logit_rows=torch.arange(1, requests + 1) * context - 1)
-    step = model.batch([Segment(r, context, 1) for r in range(requests)])
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        model.forward(toks[context:].repeat(requests), step, cache)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1000
+    return DecodeStep(model, context, requests).ms(reps)
 
 
 def choose_weights(model, asked: str = "auto", loaded: int = 0) -> dict:
