@@ -317,8 +317,10 @@ def test_router_switches_away_from_a_bad_drafter_losslessly(tiny):
     ref = autoregressive(tiny, ps, 60)
     oracle = NoisyOracle({tuple(p): r for p, r in zip(ps, ref)}, 4, p_wrong=0.1)
     clf = DomainClassifier.fit([[1, 2, 3], [50, 60], [80, 81]], ["chat", "code", "math"], 97)
+    # shadow drafts always affordable: when the switch comes must not hang on how fast this
+    # machine runs the oracle against the tiny model's steps (the budget's own test is apart)
     router = Router(clf, routes={"chat": "random", "code": "random", "math": "random"},
-                    candidates=("random", "oracle"), shadow_every=2, min_obs=2)
+                    candidates=("random", "oracle"), shadow_every=2, min_obs=2, budget=1.0)
     eng = Engine(tiny, max_batch=2, max_len=256, router=router,
                  drafters={"oracle": oracle, "random": Random()})
     out = eng.generate([Request(p, SamplingParams(max_tokens=60), "auto") for p in ps])
@@ -326,6 +328,24 @@ def test_router_switches_away_from_a_bad_drafter_losslessly(tiny):
     long = [r for r in out if len(r.tokens) >= 40]  # (some prompts reach eos early)
     assert len(long) >= 2
     assert all(r.switches[0][1:] == ("random", "oracle") and r.drafter == "oracle" for r in long)
+
+
+def test_shadow_drafts_wait_until_the_budget_affords_them():
+    """Shadow drafting may cost at most `budget` of the steps' time: a due shadow draft whose
+    measured time is more than the credit earned so far is asked for again at the next step, and
+    taken once the steps have earned it; the credit is capped at one second."""
+    router = Router(None, candidates=("ngram", "mtp"), shadow_every=1, budget=0.1)
+    router.note_draft_time("ngram", 0.0001)
+    router.note_draft_time("mtp", 0.002)  # 2 ms a shadow draft
+    route = RouteState("chat", ("ngram", "mtp"))
+    asked = []
+    for _ in range(8):
+        router.add_step(0.0055, 1, 1)  # each step earns 0.55 ms
+        asked.append(router.shadow_due(route, "ngram", lambda n: True))
+    assert asked == [None, None, None, "mtp", None, None, None, "mtp"]
+    for _ in range(20):
+        router.add_step(1.0, 1, 1)
+    assert router.credit == 1.0
 
 
 def test_finished_requests_move_a_domains_route(tiny):
