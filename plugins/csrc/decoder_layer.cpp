@@ -16,6 +16,7 @@
 #include <cstring>
 #include <functional>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "decoder_stack.h"
@@ -316,8 +317,12 @@ void DecoderStack::run_region(float* xp, const float* cp, const float* sp, const
   {
     const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
     // this thread's share [a, b) of `total` items, in contiguous runs as at::parallel_for's
+    auto part = [&](int64_t total) {
+      const int64_t per = (total + T - 1) / T, a = std::min(total, t * per);
+      return std::pair<int64_t, int64_t>(a, std::min(total, a + per));
+    };
     auto share = [&](int64_t total, auto&& f) {
-      const int64_t per = (total + T - 1) / T, a = std::min(total, t * per), b = std::min(total, a + per);
+      const auto [a, b] = part(total);
       if (a < b) f(a, b);
     };
     // every thread's own copy of the steps between the shared ones (the residual stream, norms,
@@ -340,13 +345,12 @@ void DecoderStack::run_region(float* xp, const float* cp, const float* sp, const
         m.add_bias(y, n, 16 * a, 16 * b);
       });
     };
-    // `ahead` for the barriers before matmul m: this thread's share of m's tiles (as `share`
-    // splits them); set at the first of them, later ones go on where it stopped
+    // `ahead` for the barriers before matmul m: this thread's part of m's tiles; set at the
+    // first of them, later ones go on where it stopped
     Ahead ahead;
     auto next = [&](const Matmul& m) {
       if (ahead.of != &m) {
-        const int64_t tiles = m.out / 16, per = (tiles + T - 1) / T, a = std::min(tiles, t * per),
-                      b = std::min(tiles, a + per);
+        const auto [a, b] = part(m.out / 16);
         const int64_t bytes[3] = {m.in * 16 * m.bits / 8, m.in, m.offset ? m.in : 0};  // a tile's
         const void* base[3] = {m.w, m.scale, m.offset};
         ahead.of = &m;
