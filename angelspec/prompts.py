@@ -6,6 +6,9 @@ import json
 import pathlib
 
 DEFAULT_PROMPTS = pathlib.Path(__file__).with_name("data") / "prompts.jsonl"
+# the build measures routes and draft lengths on these, so that no figure reported on the
+# bundled prompts comes from prompts the engine was tuned on; neither set is ever trained on
+CALIBRATION_PROMPTS = DEFAULT_PROMPTS.with_name("calibration.jsonl")
 DOMAINS = ("chat", "code", "math")  # what prompts, data, drafts and routes are specialised for
 
 

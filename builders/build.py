@@ -29,7 +29,7 @@ from angelspec.drafters import TRAINED, Datastore, make_drafter, parse_spec, par
 from angelspec.model import KV_CACHES
 from angelspec.plugins import RATIOS, SKINNY_MAX_ROWS
 from angelspec.plugins.linear import WITH_INT8_ACTIVATIONS
-from angelspec.prompts import DEFAULT_PROMPTS, DOMAINS, load_prompts
+from angelspec.prompts import CALIBRATION_PROMPTS, DEFAULT_PROMPTS, DOMAINS, load_prompts
 from angelspec.runtime import Engine, Request, SamplingParams
 from angelspec.runtime.backend import WEIGHTS, choose_weights, use_backend
 from angelspec.runtime.cost import fingerprint, profile
@@ -100,35 +100,38 @@ def draft_lengths(kind: str, trained: int | None) -> tuple[int, ...]:
 
 
 def tune_length(kind: str, lengths: tuple[int, ...], target, drafts_dir: pathlib.Path,
-                cost=None) -> tuple[int, dict]:
+                cost=None) -> tuple[int, dict, dict]:
     """A drafter's draft length: the fastest of `lengths` (tokens/s over all domains, the same
     prompts and turns as calibrate_routes, two rounds, with D-cut over `cost` as the engine
-    serves). Cheap verification (bf16 weights on AMX: 8 tokens cost ~1.1x one) pays for longer
-    drafts; a compute-bound forward does not. Returns (length, tokens/s by length)."""
+    serves). Cheap verification pays for longer drafts; a compute-bound forward does not.
+    Returns (length, tokens/s by length, the domains whose own fastest length beat that one
+    there by more than ROUTE_MARGIN: {domain: length})."""
     names = {f"{kind}:draft_len={n}": n for n in lengths}
     _, speed = calibrate_routes(target, drafts_dir, list(names), cost, rounds=2)
     mean = {str(n): round(sum(s[c] for s in speed.values()) / len(speed), 2)
             for c, n in names.items()}
-    return int(max(mean, key=mean.get)), mean
+    best = int(max(mean, key=mean.get))
+    own = {}
+    for d, s in speed.items():
+        c = max(s, key=s.get)
+        if names[c] != best and s[c] > (1 + ROUTE_MARGIN) * s[f"{kind}:draft_len={best}"]:
+            own[d] = names[c]
+    return best, mean, own
 
 
 def calibrate_routes(target, drafts_dir: pathlib.Path, candidates: list[str], cost=None,
                      per_domain: int = 3, max_tokens: int = 64, rounds: int = 4,
                      draft_lens: dict | None = None) -> tuple[dict, dict]:
     """Each domain's starting drafter for `auto`: the candidate with the most tokens/s on the first
-    `per_domain` bundled benchmark prompts of that domain (never the data step's held-out split),
-    drafters taking turns prompt by prompt on this machine, `rounds` times (each round in the
-    other order); with D-cut (and its gate) over the cost table `cost` when given, as the engine
-    serves. Where ngram is a candidate, a domain's route compares each drafter's runs with
-    ngram's run of the same prompt moments apart (the median of those ratios): the machine's
-    speed drifts by more than the drafters differ, and totals over a few prompts sent chat to
-    dfly at 323 against ngram's 291 tokens/s on an AVX-512 EPYC, where that engine's `auto` then
-    ran the held-out prompts at 1.13x `ar` against ngram's 1.28x; and each prompt's ratios are
-    averaged over its rounds, half of them in each order, before the median over prompts (with 2
-    rounds of single ratios, chat's went to dfly at a median above 1.05 on one build and 0.99
-    on a rerun, and served on the held-out prompts dfly ran chat at 0.87x `ar`, ngram at 1.10x).
+    `per_domain` calibration prompts of that domain (angelspec/data/calibration.jsonl: neither
+    the bundled benchmark prompts the docs report on nor the data step's), drafters taking turns
+    prompt by prompt on this machine, `rounds` times (each round in the other order); with D-cut
+    (and its gate) over the cost table `cost` when given, as the engine serves. Where ngram is a
+    candidate, a domain's route compares each drafter's runs with ngram's run of the same prompt
+    moments apart, each prompt's ratios averaged over its rounds, then the median over prompts:
+    the machine's speed drifts by more than the drafters differ (docs/engines.md).
     Returns (routes, tokens/s per domain and candidate)."""
-    rows = [r for r in load_prompts(DEFAULT_PROMPTS, per_domain) if r["domain"] in DOMAINS]
+    rows = [r for r in load_prompts(CALIBRATION_PROMPTS, per_domain) if r["domain"] in DOMAINS]
     ids = [target.encode_chat(r["prompt"]) for r in rows]
     engine = Engine(target, max_batch=1, max_len=max(map(len, ids)) + max_tokens + 1,
                     drafts=str(drafts_dir), draft_lens=draft_lens, dcut=cost is not None, cost=cost)
@@ -160,6 +163,17 @@ def routes_from_runs(runs: dict, candidates: list[str], rounds: int = 1) -> tupl
 
     paired = {d: {c: statistics.median(per_prompt(d, c)) for c in candidates} for d in domains}
     return {d: route(p) for d, p in paired.items()}, speed
+
+
+def own_lengths(routes: dict, rivals: dict, specs: dict) -> tuple[dict, dict]:
+    """Routes and contenders with a drafter named at its domain's own draft length where the
+    build found one (DraftSpec.draft_len_by_domain: `mtp:draft_len=1` for chat, say)."""
+    def named(kind: str, domain: str) -> str:
+        spec = specs.get(kind)
+        k = (spec.draft_len_by_domain or {}).get(domain) if spec else None
+        return f"{kind}:draft_len={k}" if k else kind
+    return ({d: named(c, d) for d, c in routes.items()},
+            {d: [named(c, d) for c in cs] for d, cs in rivals.items()})
 
 
 def route(speed: dict) -> str:
@@ -254,8 +268,9 @@ def _build(target_dir: pathlib.Path, drafts_dir: pathlib.Path, out: pathlib.Path
         lengths = draft_lengths(kind, spec.draft_len)
         if len(lengths) > 1:
             bar.set_postfix_str(f"{kind} draft length")
-            spec.draft_len, spec.tokens_per_s_by_draft_len = tune_length(kind, lengths, target, drafts_dir,
-                                                                         served)
+            spec.draft_len, spec.tokens_per_s_by_draft_len, own = tune_length(kind, lengths, target,
+                                                                              drafts_dir, served)
+            spec.draft_len_by_domain = (own or None) if kind in TRAINED else None  # ngram: one length
     bar.update()
 
     bar.set_postfix_str("copying parts")
@@ -287,7 +302,8 @@ def _build(target_dir: pathlib.Path, drafts_dir: pathlib.Path, out: pathlib.Path
         # router's shadow scoring settles at run time.
         routes, speed = calibrate_routes(target, drafts_dir, candidates, served,
                                          draft_lens={k: s.draft_len for k, s in specs.items() if s.draft_len})
-        router = {**Router(None, routes, tuple(candidates), contenders=contenders(speed)).settings(),
+        routes, rivals = own_lengths(routes, contenders(speed), specs)
+        router = {**Router(None, routes, tuple(candidates), contenders=rivals).settings(),
                   "domains": list(DOMAINS),
                   "classifier": "router.safetensors", "accuracy": accuracy,
                   "calibration_tokens_per_s": speed, "design_routes": DEFAULT_ROUTES}
@@ -378,7 +394,8 @@ def run(args) -> int:
     for kind, d in m.drafters.items():
         if d.tokens_per_s_by_draft_len:
             print(f"  {kind} draft length {d.draft_len} (tokens/s by length: "
-                  f"{json.dumps(d.tokens_per_s_by_draft_len)})")
+                  f"{json.dumps(d.tokens_per_s_by_draft_len)})"
+                  + (f"; its own in {json.dumps(d.draft_len_by_domain)}" if d.draft_len_by_domain else ""))
     if m.router:
         r = m.router
         print(f"  router: classifier accuracy {json.dumps(r['accuracy'])}; routes {r['routes']} "

@@ -256,6 +256,26 @@ def test_a_trained_drafter_takes_a_route_from_ngram_only_by_a_margin():
 
 
 
+def test_mtp_keeps_a_domains_own_draft_length_only_where_it_pays(monkeypatch):
+    """tune_length serves the fastest length overall and names a domain's own fastest where it
+    beat that one there by more than ROUTE_MARGIN; routes and contenders then ask for it."""
+    from angelspec.builders import build as b
+    from angelspec.runtime.manifest import DraftSpec
+
+    speed = {"chat": {"mtp:draft_len=1": 300.0, "mtp:draft_len=2": 280.0, "mtp:draft_len=3": 270.0},
+             "code": {"mtp:draft_len=1": 300.0, "mtp:draft_len=2": 330.0, "mtp:draft_len=3": 350.0},
+             "math": {"mtp:draft_len=1": 300.0, "mtp:draft_len=2": 325.0, "mtp:draft_len=3": 318.0}}
+    monkeypatch.setattr(b, "calibrate_routes", lambda *a, **k: ({}, speed))
+    best, mean, own = b.tune_length("mtp", (1, 2, 3), None, None)
+    assert mean == {"1": 300.0, "2": 311.67, "3": 312.67}
+    assert (best, own) == (3, {"chat": 1})  # math's 2 beat 3 there, within the margin
+    specs = {"mtp": DraftSpec("mtp", draft_len=best, draft_len_by_domain=own), "ngram": DraftSpec("ngram")}
+    routes, rivals = b.own_lengths({"chat": "mtp", "code": "mtp", "math": "ngram"},
+                                   {"chat": ["mtp", "ngram"], "code": ["mtp", "ngram"], "math": ["ngram"]}, specs)
+    assert routes == {"chat": "mtp:draft_len=1", "code": "mtp", "math": "ngram"}
+    assert rivals["chat"] == ["mtp:draft_len=1", "ngram"] and rivals["code"] == ["mtp", "ngram"]
+
+
 def test_routes_compare_each_run_with_ngrams_run_of_the_same_prompt():
     """The machine's speed drifts between runs: a drafter whose runs fell in fast moments looks
     faster in totals (dfly here: 0.74 s against ngram's 1.0 s), yet on two of three prompts it was
@@ -338,7 +358,7 @@ def test_bench_cli_with_engine_concurrency_dcut_and_auto(parts, tmp_path):
     assert "while every slot was busy" in proc.stdout
     assert rows[("dfly", True, "chat")]["tokens_per_s"] is None  # mixed batches: time for all only
     used = rows[("auto", True, "all")]["drafter_used"]
-    assert sum(used.values()) == 6 and set(used) <= {"mtp", "dfly", "ngram"}
+    assert sum(used.values()) == 6 and {u.split(":")[0] for u in used} <= {"mtp", "dfly", "ngram"}
     assert "auto+dcut" in proc.stdout
     # each batch's rate against ar's run of the same batch: every batch of both rounds, once
     from angelspec.bench.speed import chunks

@@ -17,7 +17,7 @@ import sysconfig
 import textwrap
 import zlib
 
-from angelspec.prompts import DEFAULT_PROMPTS, read_jsonl
+from angelspec.prompts import CALIBRATION_PROMPTS, DEFAULT_PROMPTS, read_jsonl
 
 MAX_CHARS = 1200
 # never gsm_symbolic (GSM8K's templates); not polynomial_multiplication either: its polynomials
@@ -65,10 +65,9 @@ def held_out(prompt: str) -> bool:
 
 
 def _bench_prompts() -> set[str]:
-    f = pathlib.Path(DEFAULT_PROMPTS)
-    if not f.exists():
-        return set()
-    return {_key(r["prompt"]) for r in read_jsonl(f)}
+    """The bundled benchmark and calibration prompts: never training data."""
+    return {_key(r["prompt"]) for f in (DEFAULT_PROMPTS, CALIBRATION_PROMPTS) if f.exists()
+            for r in read_jsonl(f)}
 
 
 # -- chat -------------------------------------------------------------------------------------

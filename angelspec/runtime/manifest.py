@@ -51,6 +51,8 @@ class DraftSpec:
     target_layer_ids: list[int] | None = None  # trained drafts: the target layers they read
     draft_vocab: int | None = None  # trained drafts: their reduced vocabulary
     tokens_per_s_by_draft_len: dict[str, float] | None = None  # ngram, mtp: the build's tuning
+    # mtp: a domain's own length where it beat the overall one there (auto routes it that way)
+    draft_len_by_domain: dict[str, int] | None = None
 
 
 @dataclass
