@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from angelspec.model import Segment
 from angelspec.plugins import amx_available
-from angelspec.prompts import DOMAINS, load_prompts
+from angelspec.prompts import CALIBRATION_PROMPTS, DOMAINS, load_prompts
 from angelspec.runtime import Engine, Request, SamplingParams
 from angelspec.training import data
 from angelspec.training.data import Sequences, build
@@ -27,11 +27,22 @@ def test_sources_are_deterministic_deduplicated_and_clean(domain):
     rows = prompts(domain, 8, seed=0)
     assert rows == prompts(domain, 8, seed=0) and rows != prompts(domain, 8, seed=1)
     assert len(rows) == 8 and len({r["prompt"] for r in rows}) == 8
-    bench = {r["prompt"] for r in load_prompts(None)}
+    bench = {r["prompt"] for f in (None, CALIBRATION_PROMPTS) for r in load_prompts(f)}
     for r in rows:
         assert set(r) == {"prompt", "domain", "source"} and r["domain"] == domain
         assert 0 < len(r["prompt"]) <= 1200 and r["prompt"] not in bench
         assert not any(f in r["source"].lower() for f in FORBIDDEN)
+
+
+def test_calibration_prompts_are_neither_benchmark_nor_training_prompts():
+    """The build tunes on its own prompts (3+ a domain): none is a bundled benchmark prompt, and
+    the sources skip both sets."""
+    from angelspec.training.sources import _bench_prompts, _key
+
+    cal, bench = load_prompts(CALIBRATION_PROMPTS), load_prompts(None)
+    assert all(sum(r["domain"] == d for r in cal) >= 3 for d in DOMAINS)
+    assert not {r["prompt"] for r in cal} & {r["prompt"] for r in bench}
+    assert {_key(r["prompt"]) for r in cal + bench} <= _bench_prompts()
 
 
 @pytest.mark.parametrize("domain", DOMAINS)
@@ -163,10 +174,12 @@ def test_teacher_ids_are_the_targets_own_choices(built, default_target):
         total += len(x["tokens"]) - p
     assert agree >= 0.95 * total
     x = seqs[0]
-    tokens, label_ok, _, labels = collate([x], 512, [m["layers"][0]], prompt_labels=True)
+    start = len(default_target.chat_prefix()) + 1  # past the system preamble, as the trainer asks
+    tokens, label_ok, _, labels = collate([x], 512, [m["layers"][0]], prompt_from=start)
     p, n = x["prompt_len"], len(x["tokens"])
     assert labels[0, 1:p].tolist() == x["teacher"][: p - 1].tolist()
-    assert labels[0, p:n].tolist() == x["tokens"][p:].tolist() and label_ok[0, 1:n].all()
+    assert labels[0, p:n].tolist() == x["tokens"][p:].tolist() and label_ok[0, start:n].all()
+    assert not label_ok[0, :start].any()
     _, label_ok, _, labels = collate([x], 512, [m["layers"][0]])
     assert torch.equal(labels, tokens) and not label_ok[0, :p].any() and label_ok[0, p:n].all()
 

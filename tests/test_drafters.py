@@ -16,7 +16,18 @@ from angelspec.model import Segment
 from angelspec.plugins import QuantWeight
 from angelspec.runtime import Engine, Request, SamplingParams
 from angelspec.runtime.engine import RequestState
-from angelspec.training.objectives import accepted_at, block_hidden, greedy_chain, rollout, ttt_rollout, walk
+from angelspec.training.objectives import (
+    accepted_at,
+    block_hidden,
+    block_objective,
+    depth_acceptance,
+    greedy_chain,
+    own_chain,
+    rollout,
+    served_steps,
+    ttt_rollout,
+    walk,
+)
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +123,84 @@ def test_ttt_loss_over_labelled_bases_equals_the_loss_over_every_position(target
         hits.append(float(((logits.argmax(-1) == lab) & ok).sum()) / int(ok.sum()))
     torch.testing.assert_close(loss, sum(losses) / 4)
     assert [metrics[f"acc{k}"] for k in (1, 2, 3, 4)] == pytest.approx(hits)
+
+
+def target_distribution(target, h: torch.Tensor, vocab_ids: torch.Tensor) -> torch.Tensor:
+    """The target's own next-token distribution from its last hidden states [..., h] (its final
+    norm and lm_head), restricted to `vocab_ids` and renormalised there."""
+    logits = target.model.head(h.reshape(-1, h.shape[-1])).reshape(*h.shape[:-1], -1)
+    return torch.softmax(logits[..., vocab_ids], -1)
+
+
+def kl(p: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    return (p * (p.log() - torch.log_softmax(logits, -1))).sum(-1)
+
+
+def test_soft_labels_distil_the_targets_distribution_over_the_draft_vocabulary(target8):
+    """Soft labels: step k from base i is KL(p || q), p the target's own distribution after
+    position i+k (its head on the cached last hidden state) renormalised over the draft
+    vocabulary, for MTP's rollout and for DFly's blocks (decayed by block position)."""
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, 96, (2, 30), generator=g)
+    h = torch.stack([features(target8, t.tolist(), [8])[8] for t in tokens])
+    label_ok = torch.zeros(2, 30, dtype=torch.bool)
+    label_ok[0, 12:30], label_ok[1, 20:27] = True, True
+    cfg, model = draft(target8, "mtp", vocab=40)
+    fz = Frozen(target8.model, model.vocab_ids)
+    p = target_distribution(target8, h, model.vocab_ids)  # p[:, j]: after position j
+    loss, _ = ttt_rollout(model, fz, tokens, label_ok, {8: h}, steps=3, draft_len=3, soft=True)
+    full = rollout(model, fz, tokens, h, steps=3)
+    expect = []
+    for k, logits in enumerate(full, 1):
+        ok = torch.zeros(2, 29, dtype=torch.bool)
+        ok[:, : 29 - k] = label_ok[:, k + 1:]
+        expect.append(kl(p[:, k: k + 29 - k], logits[:, : 29 - k])[ok[:, : 29 - k]].mean())
+    torch.testing.assert_close(loss, sum(expect) / 3)
+
+    cfg, model = draft(target8, "dfly", vocab=40)
+    fz = Frozen(target8.model, model.vocab_ids)
+    p = target_distribution(target8, h, model.vocab_ids)
+    feats = {l: torch.stack([features(target8, t.tolist(), [l])[l] for t in tokens]) for l in cfg.target_layers}
+    feats[8] = h
+    anchors, valid = torch.tensor([[12, 18], [20, 20]]), torch.tensor([[True, True], [True, False]])
+    loss, _ = block_objective(model, fz, tokens, label_ok, feats, anchors, valid, soft=True, gamma=2.0)
+    hidden = block_hidden(model, fz, tokens, feats, anchors)
+    prev = tokens.gather(1, (anchors[..., None] + torch.arange(5)).flatten(1)).view(2, 2, 5)
+    q = fz.logits(model.head(hidden, fz.embed[prev]))
+    w = torch.exp(-torch.arange(5.0) / 2.0)
+    num = den = 0
+    for s, a in ((0, 0), (0, 1), (1, 0)):
+        at = int(anchors[s, a])
+        num = num + (kl(p[s, at: at + 5], q[s, a]) * w).sum()
+        den = den + w.sum()
+    torch.testing.assert_close(loss, num / den)
+
+
+def test_the_ar_head_trained_on_its_own_chain_runs_the_served_chain(target8):
+    """own=1: every link reads its own previous link's argmax, the chain greedy serving runs
+    (greedy_chain); own=0 is teacher forcing."""
+    cfg, model = draft(target8, "dfly", vocab=40)
+    fz = Frozen(target8.model, model.vocab_ids)
+    tokens = torch.randint(0, 96, (1, 30), generator=torch.Generator().manual_seed(8))
+    feats = features(target8, tokens[0].tolist(), sorted(set(cfg.target_layers) | {8}))
+    feats = {l: f[None] for l, f in feats.items()}
+    anchors = torch.tensor([[6, 14, 20]])
+    hidden = block_hidden(model, fz, tokens, feats, anchors)
+    prev = tokens.gather(1, (anchors[..., None] + torch.arange(5)).flatten(1)).view(1, 3, 5)
+    mine = torch.tensor([[True, False, True]])
+    logits = own_chain(model, fz, hidden, prev, mine)
+    served = greedy_chain(model, fz, hidden, tokens.gather(1, anchors))
+    assert torch.equal(logits[mine].argmax(-1), served[mine])
+    forced = fz.logits(model.head(hidden, fz.embed[prev]))
+    torch.testing.assert_close(logits[~mine], forced[~mine])
+
+
+def test_served_steps_and_acceptance_per_depth():
+    """Each verification step's accepted drafts along the walk; alpha_d: of the steps that
+    accepted d-1, the share accepting the d-th."""
+    acc = torch.tensor([9, 2, 9, 9, 0, 1, 9, 4, 9])
+    assert served_steps(acc, 1) == [2, 0, 1, 0] and walk(acc, 1) == (7, 4)  # the last one cut at the end
+    assert depth_acceptance([2, 0, 1, 3], 3) == pytest.approx([3 / 4, 2 / 3, 1 / 2])
 
 
 @pytest.mark.parametrize("kind,vocab", [("mtp", 0), ("mtp", 40), ("mtp3", 40)])

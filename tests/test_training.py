@@ -60,6 +60,11 @@ def test_recipes_resolve_and_reject_mistakes():
         load_recipe("mtp", overrides=['domains=["poetry"]'])
     with pytest.raises(ValueError, match="lr -0.1: must be positive"):
         load_recipe("mtp", overrides=["lr=-0.1"])
+    with pytest.raises(ValueError, match="steps 0: positive, or 0 .no step limit. with a time budget"):
+        load_recipe("mtp", overrides=["steps=0"])
+    assert load_recipe("mtp", overrides=["steps=0", "minutes=5"]).minutes == 5.0
+    with pytest.raises(ValueError, match="labels 'fuzzy': soft or hard"):
+        load_recipe("mtp", overrides=["labels=fuzzy"])
     with pytest.raises(ValueError, match="unknown recipe 'eagle'"):
         load_recipe("eagle")
     assert (use_bf16("bf16"), use_bf16("none")) == (True, False)
@@ -117,6 +122,48 @@ def test_training_resumes(tiny_data):
     assert ev["step"] == 9 and ev["val_tau"] == log_rows(r.out)[-1]["val_tau"] >= 1
     with pytest.raises(ValueError, match="holds a dfly draft, not mtp"):
         train(dataclasses.replace(recipe("mtp", root), out=r.out), target, progress=False, only_eval=True)
+
+
+def test_a_time_budget_ends_training_with_an_evaluation_and_the_curve_shows_it(tiny_data, tmp_path):
+    """`minutes`: training stops once its time (evaluations included) is spent, whatever `steps`
+    says, evaluates there, and a rerun finds it done. Each evaluation logs the accept length,
+    the acceptance at each depth and the draft vocabulary's coverage, overall and per domain,
+    against steps, labelled positions and seconds; --eval's table and plot read them."""
+    from angelspec.training.curve import plot, read_curve, table
+
+    target, root = tiny_data
+    r = recipe("mtp", root, steps=0, minutes=0.02, eval_every=5, out=str(tmp_path / "mtp"))
+    result = train(r, target, progress=False, restart=True)
+    rows = log_rows(r.out)
+    assert 1 < result["step"] and rows[-1]["seconds"] >= 0.02 * 60 > rows[-2]["seconds"]
+    assert [x["tokens"] for x in rows] == sorted(x["tokens"] for x in rows) and rows[0]["tokens"] > 0
+    curve = read_curve(r.out)
+    assert curve[-1]["step"] == result["step"] and all(x["step"] % 5 == 0 for x in curve[:-1])
+    last = curve[-1]
+    doms = [k[8:] for k in last if k.startswith("val_tau_")]
+    assert doms and all(f"val_{m}_{d}" in last for d in doms for m in ("alpha1", "alpha3", "coverage"))
+    assert all(k in last for k in ("val_tau", "val_alpha1", "val_alpha3", "val_coverage"))
+    assert 0 <= last["val_alpha1"] <= 1 and 0 < last["val_coverage"] <= 1 and last["val_tau"] >= 1
+    assert train(r, target, progress=False)["step"] == result["step"]  # spent: nothing more
+    assert str(result["step"]) in table(curve) and plot(curve, tmp_path / "curve.png").stat().st_size > 0
+
+
+def test_prompt_positions_teach_past_the_system_preamble(tiny_data):
+    """prompt_labels: every position from `prompt_from` on is a label; soft labels keep the real
+    prompt tokens (their teacher reads the target's distribution there), hard ones the target's
+    own choices (teacher ids)."""
+    from angelspec.training.train import collate
+
+    h = 4
+    items = [dict(tokens=torch.arange(10), prompt_len=6, features={1: torch.zeros(10, h)}),
+             dict(tokens=torch.arange(20, 28), prompt_len=5, features={1: torch.zeros(8, h)},
+                  teacher=torch.arange(50, 58))]
+    tokens, ok, _, labels = collate(items, 64, [1])
+    assert ok[0].tolist() == [False] * 6 + [True] * 4 and ok[1].tolist() == [False] * 5 + [True] * 3 + [False] * 2
+    tokens, ok, _, labels = collate(items, 64, [1], prompt_from=3)
+    assert ok[0].tolist() == [False] * 3 + [True] * 7 and ok[1, :8].tolist() == [False] * 3 + [True] * 5
+    assert torch.equal(labels[0], tokens[0])  # no teacher ids: the prompt's own tokens
+    assert labels[1, 1:5].tolist() == [50, 51, 52, 53] and labels[1, 5:8].tolist() == [25, 26, 27]
 
 
 def test_torchrun_two_processes_keep_identical_weights(tiny_data):

@@ -1,9 +1,17 @@
 """Training objectives: MTP's TTT rollout and the block objective of DFly/DFlash.
 
 A batch is S sequences padded to T: tokens [S, T], `label_ok` [S, T] (True where the token is a
-response token the target generated, i.e. a fair label), features {layer: [S, T, h]} (the frozen
-target's hidden states, cached by the data step). Labels map to the draft vocabulary; tokens
-outside it are not trained on. Each objective returns (loss, metrics), where metrics["tau"] is the
+fair label: a response token the target generated, or a prompt token past the system preamble
+when prompt positions teach too), features {layer: [S, T, h]} (the frozen target's hidden states,
+cached by the data step). Two kinds of labels:
+- soft (distillation): at every labelled position the target's own next-token distribution, its
+  logits from the cached last hidden state restricted to the draft vocabulary and renormalised
+  there (the mass outside the draft vocabulary is dropped, as EAGLE-3 does with its reduced
+  vocabulary), and the loss is KL(target || draft);
+- hard: the token itself (the target's greedy choice), mapped to the draft vocabulary; a token
+  outside it is not trained on.
+A token outside the draft vocabulary can never be drafted: the accuracies count it as a miss.
+Each objective returns (loss, metrics), where metrics["tau"] is the
 mean accept length greedy drafting would reach from these positions (accepted + 1 bonus), each
 position counted once. Serving does not start a step at every position: it jumps over what a
 step accepted, so easy stretches take few steps and hard ones many. `accepted_at` + `walk` go
@@ -73,15 +81,41 @@ def label_bases(label_ok: torch.Tensor, steps: int):
     return raw.clamp(max=n - 1), raw <= hi[:, None]
 
 
+def teacher_logprobs(fz: Frozen, h_last: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The target's next-token log-probabilities over the draft vocabulary after `positions`
+    [S, N] (indices into h_last [S, T, h], its cached last hidden states): its logits there,
+    restricted to the draft vocabulary and renormalised -> [S, N, Vd]. No gradient."""
+    with torch.no_grad():
+        rows = h_last.gather(1, positions[..., None].expand(-1, -1, h_last.shape[-1]))
+        return torch.log_softmax(fz.logits(rows).float(), -1)
+
+
+def soft_kl(logits: torch.Tensor, teacher: torch.Tensor, ok: torch.Tensor,
+            weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean (or `weight`-weighted mean) over the `ok` rows of KL(teacher || draft), the draft's
+    logits [..., Vd] against the teacher's log-probabilities [..., Vd]: the cross-entropy less the
+    teacher's entropy (the same gradient; 0 when the draft matches the target)."""
+    kl = (teacher.exp() * (teacher - torch.log_softmax(logits.float(), -1))).sum(-1)
+    w = ok.float() if weight is None else weight * ok
+    return (kl * w).sum() / w.sum().clamp(min=1e-6)
+
+
 def ttt_rollout(model, fz: Frozen, tokens, label_ok, feats, steps: int = 4, draft_len: int = 3,
-                labels=None):
-    """MTP loss (docs/algorithms.md, section 1): the label of step k at base i is always t[i+k+1],
-    even after the draft's own tokens diverged; the loss is the mean of the step losses.
-    `labels` [S, T]: the target's token at each position (default: `tokens`)."""
+                labels=None, soft: bool = False):
+    """MTP loss (docs/algorithms.md, section 1): the label of step k at base i is always t[i+k+1]
+    (soft: the target's distribution after position i+k), even after the draft's own tokens
+    diverged; the loss is the mean of the step losses. `labels` [S, T]: the token at each
+    position the accuracies (and hard labels) count (default: `tokens`; prompt positions: the
+    target's own choice with hard labels, the real prompt token with soft ones, whose teacher
+    distributions follow the real prompt)."""
     T = tokens.shape[1]
     labels = tokens if labels is None else labels
     base, real = label_bases(label_ok, steps)
     all_logits = rollout(model, fz, tokens, model.features(feats), steps, base)
+    W = base.shape[1]
+    if soft:  # one window of teacher rows covers every step: base i's step k reads row i + k
+        window = (base[:, :1] + torch.arange(W + steps + 1)).clamp(max=T - 1)
+        teacher = teacher_logprobs(fz, feats[model.cfg.target_num_layers], window)
     losses, hits, oks = [], [], []
     for step, logits in enumerate(all_logits, 1):
         # label t[i+step+1] for base i; past the end of the sequence there is none
@@ -89,9 +123,13 @@ def ttt_rollout(model, fz: Frozen, tokens, label_ok, feats, steps: int = 4, draf
         inside = real & (at < T)
         at = at.clamp(max=T - 1)
         lab = fz.index[labels.gather(1, at)]
-        ok = inside & label_ok.gather(1, at) & (lab >= 0)
+        ok = inside & label_ok.gather(1, at)
         oks.append(ok)
-        losses.append(F.cross_entropy(logits[ok], lab[ok]) if ok.any() else logits.sum() * 0)
+        if soft:
+            losses.append(soft_kl(logits, teacher[:, step: step + W], ok))
+        else:
+            fit = ok & (lab >= 0)
+            losses.append(F.cross_entropy(logits[fit], lab[fit]) if fit.any() else logits.sum() * 0)
         hits.append((logits.argmax(-1) == lab) & ok)
     loss = sum(losses) / len(losses)
     metrics = {"loss": float(loss.detach())}
@@ -152,15 +190,19 @@ def greedy_chain(model, fz: Frozen, hidden, anchor_tok) -> torch.Tensor:
 
 
 def block_objective(model, fz: Frozen, tokens, label_ok, feats, anchors, valid, loss: str = "ce",
-                    gamma: float = 4.0, labels=None):
+                    gamma: float = 4.0, labels=None, soft: bool = False, own: float = 0.0,
+                    generator=None):
     """DFly/DFlash with the multi-anchor block mask: every anchor a makes one block
     [t[a], MASK...] at positions a..a+B-1 that sees the context strictly before a and itself.
 
-    loss "ce": cross-entropy to the target's tokens, position k weighted exp(-(k-1)/gamma);
+    loss "ce": cross-entropy to the target's tokens (soft: to its distributions), position k
+    weighted exp(-(k-1)/gamma);
     loss "tv": end-to-end TV, 1 - mean_j prod_{i<=j} alpha_i with alpha = sum_x min(p, q), p the
     target's distribution (over the draft vocabulary) and q the draft's.
-    labels [S, T]: the target's token at each position (default: `tokens`); the AR head is
-    teacher-forced on them after the anchor.
+    labels [S, T]: the token at each position the loss and accuracies count (default: `tokens`;
+    prompt positions: the target's own choice with hard labels). The AR head reads the
+    token before each link: the anchor, then the labels (teacher forcing), or, in a fraction
+    `own` of the blocks (drawn with `generator`), its own greedy chain link by link, as served.
     """
     labels = tokens if labels is None else labels
     cfg = model.cfg
@@ -168,37 +210,54 @@ def block_objective(model, fz: Frozen, tokens, label_ok, feats, anchors, valid, 
     S, T = tokens.shape
     hidden = block_hidden(model, fz, tokens, feats, anchors)
     safe = (anchors[..., None] + torch.arange(B)).clamp(max=T - 1)
+    teacher = None
+    if soft or loss == "tv":  # the target's distribution at position a+k-1 (which predicts t[a+k])
+        teacher = teacher_logprobs(fz, feats[cfg.target_num_layers], safe[..., :-1].flatten(1))
+        teacher = teacher.view(S, -1, B - 1, teacher.shape[-1])
     lab = fz.index[labels.gather(1, safe[..., 1:].flatten(1)).view(S, -1, B - 1)]
-    ok = valid[..., None] & (lab >= 0)
+    ok = valid[..., None].expand_as(lab)
     # teacher forcing: the anchor token, then the labels before each link
     prev_tok = labels.gather(1, safe[..., :-1].flatten(1)).view(S, -1, B - 1)
     prev_tok[..., 0] = tokens.gather(1, anchors)
-    logits = fz.logits(model.head(hidden, fz.embed[prev_tok]))  # [S, A, B-1, Vd]
+    if cfg.ar_head and own > 0:
+        logits = own_chain(model, fz, hidden, prev_tok, torch.rand(anchors.shape, generator=generator) < own)
+    else:
+        logits = fz.logits(model.head(hidden, fz.embed[prev_tok]))  # [S, A, B-1, Vd]
     pred = logits.argmax(-1)
     hits = (pred == lab) & ok
     metrics = {"acc": float(hits.sum()) / max(1, int(ok.sum()))}
-    full = valid & ok.all(-1)
-    if full.any():
-        metrics["tau"] = 1 + float(leading(hits[full]).float().mean())
+    if valid.any():
+        metrics["tau"] = 1 + float(leading(hits[valid]).float().mean())
     w = torch.exp(-torch.arange(B - 1, dtype=torch.float32) / gamma)
-    if loss == "ce":
+    if loss == "ce" and soft:
+        value = soft_kl(logits, teacher, ok, w)
+    elif loss == "ce":
+        fit = ok & (lab >= 0)
         ce = F.cross_entropy(logits.flatten(0, -2), lab.clamp(min=0).flatten(), reduction="none")
-        wk = (w * ok).flatten()
+        wk = (w * fit).flatten()
         value = (ce * wk).sum() / wk.sum().clamp(min=1e-6)
     elif loss == "tv":
-        # teacher: the target's distribution at position a+k-1 (which predicts t[a+k])
-        h_last = feats[cfg.target_num_layers]
-        src = safe[..., :-1].flatten(1)
-        p = torch.softmax(fz.logits(h_last.gather(1, src[..., None].expand(-1, -1, h_last.shape[-1])))
-                          .view(S, -1, B - 1, len(fz.vocab_ids)), -1)
         q = torch.softmax(logits, -1)
-        alpha = torch.minimum(p, q).sum(-1) * valid[..., None]  # [S, A, B-1]
+        alpha = torch.minimum(teacher.exp(), q).sum(-1) * valid[..., None]  # [S, A, B-1]
         expected = alpha.cumprod(-1).mean(-1)  # expected accepted fraction of the block
         value = 1 - expected[valid].mean() if valid.any() else logits.sum() * 0
     else:
         raise ValueError(f"unknown loss {loss!r} (ce or tv)")
     metrics["loss"] = float(value.detach())
     return value, metrics
+
+
+def own_chain(model, fz: Frozen, hidden, prev_tok, mine) -> torch.Tensor:
+    """The AR head's logits [S, A, B-1, Vd] link by link: the blocks where `mine` [S, A] is
+    True read their own previous link's argmax (no gradient through the choice) after the
+    anchor, as served; the others read `prev_tok` (teacher forcing)."""
+    out, prev = [], prev_tok[..., 0]
+    for i in range(hidden.shape[-2]):
+        if i:
+            own = fz.vocab_ids[out[-1].detach().argmax(-1)]
+            prev = torch.where(mine, own, prev_tok[..., i])
+        out.append(fz.logits(model.head(hidden[..., i, :], fz.embed[prev])))
+    return torch.stack(out, -2)
 
 
 def accepted_at(model, fz: Frozen, tokens: torch.Tensor, feats: dict, start: int,
@@ -229,16 +288,34 @@ def walk(accepted: torch.Tensor, start: int) -> tuple[int, int]:
     """Greedy serving over a sequence of len(accepted) tokens from its newest committed token at
     `start`: each step commits the accepted drafts + 1 (up to the end) and moves past them.
     -> (tokens committed, verification steps)."""
-    end, p, committed, steps = len(accepted) - 1, start, 0, 0
+    steps = served_steps(accepted, start)
+    return sum(steps) + len(steps), len(steps)
+
+
+def served_steps(accepted: torch.Tensor, start: int) -> list[int]:
+    """The draft tokens each verification step of that walk accepts (the last step's cut at the
+    end of the sequence)."""
+    end, p, out = len(accepted) - 1, start, []
     while p < end:
         c = min(int(accepted[p]) + 1, end - p)
-        committed, steps, p = committed + c, steps + 1, p + c
-    return committed, steps
+        out.append(c - 1)
+        p += c
+    return out
 
 
-def cosine_lr(step: int, total: int, warmup: int, floor: float = 0.1) -> float:
-    """Learning-rate multiplier: linear warm-up, then cosine down to `floor`."""
+def depth_acceptance(steps: list[int], depth: int) -> list[float]:
+    """alpha_d for d = 1..depth: of the steps whose first d-1 drafts were accepted, the share
+    that accepted the d-th too (a draft always proposes `depth` tokens in training's walk)."""
+    out = []
+    for d in range(1, depth + 1):
+        reached = sum(a >= d - 1 for a in steps)
+        out.append(sum(a >= d for a in steps) / reached if reached else 0.0)
+    return out
+
+
+def cosine_lr(step: int, progress: float, warmup: int, floor: float = 0.1) -> float:
+    """Learning-rate multiplier: linear warm-up over the first `warmup` steps, then cosine down
+    to `floor` as `progress` (the share of the training budget spent) goes from 0 to 1."""
     if step < warmup:
         return (step + 1) / warmup
-    t = (step - warmup) / max(1, total - warmup)
-    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))

@@ -34,7 +34,9 @@ class Recipe:
     anchors: int = 48  # dfly/dflash: blocks per sequence in one forward
     gamma: float = 4.0  # dfly/dflash: CE position decay exp(-(k-1)/gamma)
     tv_fraction: float = 0.0  # dfly/dflash: last part of training on the end-to-end TV loss
-    prompt_labels: bool = False  # also train on prompt tokens, labelled with the target's choice
+    labels: str = "hard"  # soft: the target's distribution over the draft vocabulary; hard: its token
+    prompt_labels: bool = False  # prompt positions past the system preamble teach too
+    ar_own: float = 0.0  # dfly: share of blocks whose AR head reads its own chain (ramped up from 0)
     init_from_target: bool = False  # start from the target's last decoder layer(s)
     # optimisation
     batch_size: int = 4  # sequences per optimizer step (per process)
@@ -43,10 +45,12 @@ class Recipe:
     weight_decay: float = 0.0
     warmup: int = 20
     grad_clip: float = 1.0
-    steps: int = 300
+    steps: int = 300  # optimizer steps (0: no limit, with a time budget)
+    minutes: float = 0.0  # a time budget (evaluations included): stop at `steps` or this, sooner; 0: none
     eval_every: int = 50
     save_every: int = 50
-    val_sequences: int = 12  # held out of training for the accept-length estimate
+    val_sequences: int = 240  # held out of training for the accept-length estimate
+    train_sequences: int = 0  # train on only this many of the rest (the data-vs-steps trade); 0: all
     seed: int = 0
     threads: int = 0  # torch threads; 0 = torch's default
     autocast: str = "auto"  # bf16 autocast of training steps: auto (with AMX-BF16), bf16, none
@@ -61,10 +65,16 @@ class Recipe:
              f"domains {self.domains}: a non-empty subset of {', '.join(DOMAINS)}"),
             (self.autocast in ("auto", "bf16", "none"), f"autocast {self.autocast!r}: auto, bf16 or none"),
             (0.0 <= self.tv_fraction <= 1.0, f"tv_fraction {self.tv_fraction}: between 0 and 1"),
+            (0.0 <= self.ar_own <= 1.0, f"ar_own {self.ar_own}: between 0 and 1"),
+            (self.minutes >= 0, f"minutes {self.minutes}: 0 (no time budget) or more"),
+            (self.steps >= 0 and (self.steps or self.minutes), f"steps {self.steps}: positive, or 0 (no "
+             "step limit) with a time budget in minutes"),
+            (self.train_sequences >= 0, f"train_sequences {self.train_sequences}: 0 (all) or more"),
+            (self.labels in ("soft", "hard"), f"labels {self.labels!r}: soft or hard"),
             (self.block_size >= 2, f"block_size {self.block_size}: at least 2"),
         ] + [(getattr(self, k) > 0, f"{k} {getattr(self, k)}: must be positive")
              for k in ("draft_len", "ttt_steps", "feature_layers", "num_layers", "anchors", "batch_size", "max_seq_len",
-                       "lr", "steps", "eval_every", "save_every", "max_ngram", "width")]
+                       "lr", "eval_every", "save_every", "max_ngram", "width")]
         bad = [msg for ok, msg in checks if not ok]
         if bad:
             raise ValueError("recipe: " + "; ".join(bad))

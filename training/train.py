@@ -30,19 +30,30 @@ from angelspec.drafters.target_layers import dfly_layers, mtp_layers
 from angelspec.plugins import amx_available
 from angelspec.prompts import DOMAINS
 from angelspec.runtime.cost import cpu_flags
+from angelspec.training.curve import plot, read_curve, table
 from angelspec.training.data import Sequences, ensure_teachers, load
-from angelspec.training.objectives import accepted_at, block_objective, cosine_lr, sample_anchors, ttt_rollout, walk
+from angelspec.training.objectives import (
+    accepted_at,
+    block_objective,
+    cosine_lr,
+    depth_acceptance,
+    sample_anchors,
+    served_steps,
+    ttt_rollout,
+)
 from angelspec.training.recipe import Recipe, load_recipe
 
 MODELS = {"mtp": MTP, "dfly": DFly, "dflash": DFly}
 
 
 # -- data ------------------------------------------------------------------------------------
-def collate(items: list[dict], max_len: int, layers: list[int], prompt_labels: bool = False):
+def collate(items: list[dict], max_len: int, layers: list[int], prompt_from: int | None = None):
     """Pad sequences to the longest (cut at max_len): tokens [S, T], label_ok [S, T], features,
-    labels [S, T]. labels[s, j] is the target's token at position j: the generated token in the
-    response and, with `prompt_labels`, the target's own choice after position j-1 in the prompt
-    (its teacher id), so prompt tokens train the draft too."""
+    labels [S, T]. Labels are the response tokens the target generated and, with `prompt_from`,
+    also the prompt's from that position on (past the system preamble every prompt shares):
+    there labels[s, j] is the target's own choice after position j-1 where the data folder has
+    it (teacher ids, for hard labels), else the prompt's token (soft labels read the target's
+    distribution after the real prompt instead)."""
     T = min(max_len, max(len(it["tokens"]) for it in items))
     S, h = len(items), items[0]["features"][layers[0]].shape[-1]
     tokens = torch.zeros(S, T, dtype=torch.long)
@@ -51,14 +62,15 @@ def collate(items: list[dict], max_len: int, layers: list[int], prompt_labels: b
     for s, it in enumerate(items):
         n = min(T, len(it["tokens"]))
         tokens[s, :n] = it["tokens"][:n]
-        label_ok[s, 1 if prompt_labels else it["prompt_len"]:n] = True
+        label_ok[s, it["prompt_len"] if prompt_from is None else prompt_from:n] = True
         for l in layers:
             feats[l][s, :n] = it["features"][l][:n]
     labels = tokens.clone()
-    if prompt_labels:
+    if prompt_from is not None:
         for s, it in enumerate(items):
             p = min(T, it["prompt_len"])
-            labels[s, 1:p] = it["teacher"][: p - 1]
+            if "teacher" in it and p > 1:
+                labels[s, 1:p] = it["teacher"][: p - 1]
     return tokens, label_ok, feats, labels
 
 
@@ -72,6 +84,28 @@ def draft_vocab(seqs, indices: list[int], size: int, vocab_size: int, keep: list
         counts += torch.bincount(it["tokens"][it["prompt_len"]:], minlength=vocab_size).float()
     counts[torch.tensor(keep, dtype=torch.long)] = float("inf")
     return counts.topk(size).indices.sort().values
+
+
+VOCAB_SIZES = (4096, 8192, 16384, 32768)  # the draft vocabularies whose coverage a new draft records
+
+
+def vocab_coverage(seqs, train_idx: list[int], val_idx: list[int], vocab_size: int, keep: list[int],
+                   sizes=VOCAB_SIZES) -> dict:
+    """{size: {domain: share}}: how much of the held-out responses (the target's greedy output)
+    a draft vocabulary of each size, chosen from the training responses, covers, per domain: a
+    token outside it can never be drafted."""
+    out = {}
+    for size in sizes:
+        inside = torch.zeros(vocab_size, dtype=torch.bool)
+        inside[draft_vocab(seqs, train_idx, size, vocab_size, keep)] = True
+        hits, total = {}, {}
+        for i in val_idx:
+            it = seqs.ids(i)
+            d, resp = DOMAINS[it["domain"]], it["tokens"][it["prompt_len"]:]
+            hits[d] = hits.get(d, 0) + int(inside[resp].sum())
+            total[d] = total.get(d, 0) + len(resp)
+        out[str(size)] = {d: round(hits[d] / total[d], 4) for d in total if total[d]}
+    return out
 
 
 # -- model -----------------------------------------------------------------------------------
@@ -131,46 +165,74 @@ class Objective(torch.nn.Module):
         super().__init__()
         self.model, self.fz, self.recipe = model, fz, recipe
 
-    def forward(self, tokens, label_ok, feats, labels, anchors=None, valid=None, loss="ce"):
+    def forward(self, tokens, label_ok, feats, labels, anchors=None, valid=None, loss="ce", own=0.0,
+                generator=None):
         r = self.recipe
+        soft = r.labels == "soft"
         if r.kind == "mtp":
             return ttt_rollout(self.model, self.fz, tokens, label_ok, feats, r.ttt_steps,
-                               r.draft_len, labels)
+                               r.draft_len, labels, soft=soft)
         return block_objective(self.model, self.fz, tokens, label_ok, feats, anchors, valid,
-                               loss=loss, gamma=r.gamma, labels=labels)
+                               loss=loss, gamma=r.gamma, labels=labels, soft=soft, own=own,
+                               generator=generator)
+
+
+OBJECTIVE_SEQUENCES = 48  # held-out sequences the objective's loss and accuracies are averaged over
 
 
 def evaluate(model, fz, recipe, seqs, indices, layers) -> dict:
-    """Held-out metrics: the training objective's loss and accuracies, and `tau`, the accept
-    length greedy serving would measure on these responses (each walked as serving walks it,
-    from the first response token)."""
+    """Held-out metrics over the responses of the sequences `indices`: the training objective's
+    loss and accuracies (val_loss, val_acc*: over the first OBJECTIVE_SEQUENCES of them, a check
+    against over-fitting), and what greedy serving would measure, each
+    response walked as serving walks it from its first token: `val_tau` (the accept length),
+    `val_alpha{d}` (of the verification steps whose first d-1 drafts were accepted, the share
+    that accepted the d-th) and `val_coverage` (the share of the response tokens, the target's
+    greedy output, inside the draft vocabulary); these three also per domain (`_chat`, ...)."""
     model.eval()
-    totals, weight, committed, steps = {}, 0, 0, 0
+    totals, weight, walked = {}, 0, {}
     with torch.no_grad():
         for i in range(0, len(indices), recipe.batch_size):
             items = [seqs[j] for j in indices[i: i + recipe.batch_size]]
             batch = collate(items, recipe.max_seq_len, layers)[:3]
-            if recipe.kind == "mtp":
-                _, m = ttt_rollout(model, fz, *batch, recipe.ttt_steps, recipe.draft_len)
-            else:
+            m = {}  # past the first OBJECTIVE_SEQUENCES, the walk alone: what serving measures
+            if i < OBJECTIVE_SEQUENCES and recipe.kind == "mtp":
+                _, m = ttt_rollout(model, fz, *batch, recipe.ttt_steps, recipe.draft_len,
+                                   soft=recipe.labels == "soft")
+            elif i < OBJECTIVE_SEQUENCES:
                 g = torch.Generator().manual_seed(1234 + i)
                 anchors, valid = sample_anchors(batch[1], model.cfg.block_size, 64, g)
-                _, m = block_objective(model, fz, *batch, anchors, valid)
+                _, m = block_objective(model, fz, *batch, anchors, valid, soft=recipe.labels == "soft")
             m.pop("tau", None)
             for k, v in m.items():
                 totals[k] = totals.get(k, 0.0) + v
-            weight += 1
+            weight += bool(m)
             for it in items:
                 n = min(len(it["tokens"]), recipe.max_seq_len)
                 feats = {l: f[:n] for l, f in it["features"].items()}
                 acc = accepted_at(model, fz, it["tokens"][:n], feats, it["prompt_len"],
                                   model.cfg.draft_len)
-                c, s = walk(acc, it["prompt_len"])
-                committed, steps = committed + c, steps + s
+                w = walked.setdefault(DOMAINS[it["domain"]], {"steps": [], "inside": 0, "tokens": 0})
+                w["steps"] += served_steps(acc, it["prompt_len"])
+                response = it["tokens"][it["prompt_len"]: n]
+                w["inside"] += int((fz.index[response] >= 0).sum())
+                w["tokens"] += len(response)
     model.train()
     out = {f"val_{k}": v / max(1, weight) for k, v in totals.items()}
-    if steps:
-        out["val_tau"] = committed / steps
+
+    def served(w: dict, suffix: str = "") -> dict:
+        steps = w["steps"]
+        alphas = depth_acceptance(steps, model.cfg.draft_len)
+        return {f"val_tau{suffix}": (sum(steps) + len(steps)) / max(1, len(steps)),
+                **{f"val_alpha{d}{suffix}": a for d, a in enumerate(alphas, 1)},
+                f"val_coverage{suffix}": w["inside"] / max(1, w["tokens"])}
+
+    if walked:
+        every = {"steps": [a for w in walked.values() for a in w["steps"]],
+                 "inside": sum(w["inside"] for w in walked.values()),
+                 "tokens": sum(w["tokens"] for w in walked.values())}
+        out.update(served(every))
+        for d, w in walked.items():
+            out.update(served(w, f"_{d}"))
     return out
 
 
@@ -214,15 +276,19 @@ def train(recipe: Recipe, target, progress: bool = True, restart: bool = False,
     out = pathlib.Path(recipe.out)
     cfg = draft_config(recipe, target)
     layers = sorted(set(cfg.target_layers) | {target.config.num_layers})
-    if recipe.prompt_labels:
+    # prompt positions teach from past the system preamble; hard labels there need the target's
+    # own choices (teacher ids, computed once), soft ones read its distribution from the features
+    prompt_from = len(target.chat_prefix()) + 1 if recipe.prompt_labels else None
+    hard_prompts = recipe.prompt_labels and recipe.labels == "hard"
+    if hard_prompts:
         ensure_teachers(recipe.data, target, progress and rank == 0)
-    seqs = Sequences(recipe.data, layers=layers, teacher=bool(recipe.prompt_labels))
+    seqs = Sequences(recipe.data, layers=layers, teacher=hard_prompts)
     wanted = {DOMAINS.index(d) for d in recipe.domains}
     chosen = [i for i in range(len(seqs)) if seqs.ids(i)["domain"] in wanted]
     order = torch.randperm(len(chosen), generator=torch.Generator().manual_seed(recipe.seed))
     chosen = [chosen[i] for i in order]
     n_val = min(recipe.val_sequences, len(chosen) // 5)
-    val, train_idx = chosen[:n_val], chosen[n_val:]
+    val, train_idx = chosen[:n_val], chosen[n_val:][: recipe.train_sequences or None]
     if not train_idx:
         raise ValueError(f"no training sequences of domains {recipe.domains} in {recipe.data}"
                          ": run `angelspec data` with those domains")
@@ -241,12 +307,14 @@ def train(recipe: Recipe, target, progress: bool = True, restart: bool = False,
         if only_eval:
             metrics = evaluate(model, fz, recipe, seqs, val, layers)
             return {"out": str(out), "step": cfg.trained_steps, "val_sequences": len(val),
-                    **{k: round(v, 4) for k, v in metrics.items()}}
+                    **{k: round(v, 4) for k, v in metrics.items()},
+                    "vocab_coverage": cfg.notes.get("vocab_coverage")}
     else:
         torch.manual_seed(recipe.seed)
         model = MODELS[cfg.kind](cfg)
         vocab = draft_vocab(seqs, train_idx, cfg.draft_vocab, cfg.vocab_size, target.eos_ids)
         model.vocab_ids.copy_(vocab)
+        cfg.notes["vocab_coverage"] = vocab_coverage(seqs, train_idx, val, cfg.vocab_size, target.eos_ids)
         fz = Frozen(target.model, model.vocab_ids)
         if recipe.init_from_target:
             init_from_target(model, target, fz)
@@ -254,18 +322,19 @@ def train(recipe: Recipe, target, progress: bool = True, restart: bool = False,
     wrapped = torch.nn.parallel.DistributedDataParallel(objective) if world > 1 else objective
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=recipe.lr,
                             weight_decay=recipe.weight_decay, betas=(0.9, 0.95))
-    step = 0
+    step, seen = 0, {"tokens": 0, "seconds": 0.0}  # labelled positions trained on, training time
     if resume:
         st = torch.load(state_file, weights_only=False)
         if st["recipe"]["data"] != recipe.data:
             raise ValueError(f"{out} was trained on {st['recipe']['data']}, not {recipe.data}: "
                              "pass another out= or --restart")
         opt.load_state_dict(st["optimizer"])
-        step = st["step"]
-    total = recipe.steps
-    if step >= total:
+        step, seen = st["step"], st.get("seen", {"tokens": 0, "seconds": 0.0})
+    total, budget = recipe.steps, recipe.minutes * 60
+    if (total and step >= total) or (budget and seen["seconds"] >= budget):
         if rank == 0:
-            print(f"{out}: already trained for {step} steps (pass --restart to train again)")
+            print(f"{out}: already trained for {step} steps, {seen['seconds'] / 60:.1f} min "
+                  "(pass --restart to train again)")
         return {"step": step, "out": str(out)}
 
     per_step = recipe.batch_size * world
@@ -283,31 +352,44 @@ def train(recipe: Recipe, target, progress: bool = True, restart: bool = False,
         if rank == 0:
             cfg.trained_steps = step
             save_draft(out, cfg, model.state_dict())
-            torch.save({"step": step, "optimizer": opt.state_dict(), "recipe": recipe.to_dict()},
+            torch.save({"step": step, "optimizer": opt.state_dict(), "recipe": recipe.to_dict(), "seen": seen},
                        state_file.with_suffix(".tmp"))
             state_file.with_suffix(".tmp").replace(state_file)
         if world > 1:
             dist.barrier()
 
-    tv_from = int(total * (1 - recipe.tv_fraction)) if cfg.kind != "mtp" else total
     bf16 = use_bf16(recipe.autocast)
-    bar = tqdm(total=total, initial=step, desc=f"train {cfg.kind}", disable=not progress or rank > 0)
-    tokens_seen, t0 = 0, time.perf_counter()
-    while step < total:
+    def stop_now(mine: bool) -> bool:  # every process stops at rank 0's step (their clocks differ)
+        if world == 1:
+            return mine
+        flag = torch.tensor([float(mine)])
+        dist.broadcast(flag, 0)
+        return bool(flag.item())
+
+    def progress_at() -> float:  # the share of the budget spent: steps, or minutes when sooner
+        return max(step / total if total else 0.0, seen["seconds"] / budget if budget else 0.0)
+
+    bar = tqdm(total=100, initial=round(100 * progress_at(), 1), desc=f"train {cfg.kind}",
+               unit="%", bar_format="{l_bar}{bar}| {n:.1f}% [{elapsed}<{remaining}{postfix}]",
+               disable=not progress or rank > 0)
+    tokens_here, here_s, done = 0, 0.0, False  # this run's, for its speed
+    while not done:
+        t0 = time.perf_counter()
         epoch, k = divmod(step, per_epoch)
         perm = torch.randperm(len(train_idx), generator=torch.Generator().manual_seed(
             recipe.seed * 1000 + epoch))
         mine = [train_idx[int(j)] for j in perm[k * per_step: (k + 1) * per_step][rank::world]]
         tokens, label_ok, feats, labels = collate([seqs[i] for i in mine], recipe.max_seq_len,
-                                                  layers, bool(recipe.prompt_labels))
+                                                  layers, prompt_from)
         extra = {}
         if cfg.kind != "mtp":
             g = torch.Generator().manual_seed(recipe.seed * 7919 + step * 31 + rank)
             extra = dict(zip(("anchors", "valid"),
                              sample_anchors(label_ok, cfg.block_size, recipe.anchors, g)))
-            extra["loss"] = "tv" if step >= tv_from else "ce"
+            extra["loss"] = "tv" if progress_at() >= 1 - recipe.tv_fraction else "ce"
+            extra["own"], extra["generator"] = recipe.ar_own * progress_at(), g  # ramped up from 0
         for group in opt.param_groups:
-            group["lr"] = recipe.lr * cosine_lr(step, total, recipe.warmup)
+            group["lr"] = recipe.lr * cosine_lr(step, progress_at(), recipe.warmup)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             loss, metrics = wrapped(tokens, label_ok, feats, labels, **extra)
         opt.zero_grad(set_to_none=True)
@@ -315,18 +397,27 @@ def train(recipe: Recipe, target, progress: bool = True, restart: bool = False,
         torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
         opt.step()
         step += 1
-        tokens_seen += int(label_ok.sum())
+        took, labelled = time.perf_counter() - t0, int(label_ok.sum()) * world
+        tokens_here, here_s = tokens_here + labelled, here_s + took
+        seen["tokens"] += labelled
+        seen["seconds"] += took
         row = {"step": step, "lr": opt.param_groups[0]["lr"],
                **{k: round(v, 4) for k, v in metrics.items()},
-               "tokens_per_s": round(tokens_seen / (time.perf_counter() - t0), 1)}
-        if step % recipe.eval_every == 0 or step == total:
+               "tokens": seen["tokens"], "tokens_per_s": round(tokens_here / here_s, 1)}
+        done = stop_now(progress_at() >= 1)
+        if step % recipe.eval_every == 0 or done:
+            t1 = time.perf_counter()
             row.update({k: round(v, 4) for k, v in evaluate(model, fz, recipe, seqs, val, layers).items()})
+            seen["seconds"] += time.perf_counter() - t1  # the budget counts evaluations too
+            done = stop_now(progress_at() >= 1)  # an evaluation that spent the budget is the last
+        row["seconds"] = round(seen["seconds"], 2)
         if log:
             log.write(json.dumps(row) + "\n")
             log.flush()
-        bar.set_postfix({k: v for k, v in row.items() if k in ("loss", "acc", "acc1", "tau", "val_tau")})
-        bar.update(1)
-        if step % recipe.save_every == 0 or step == total:
+        bar.set_postfix({k: v for k, v in row.items() if k in ("step", "loss", "acc", "acc1", "tau", "val_tau",
+                                                             "val_alpha1")})
+        bar.update(round(100 * min(1.0, progress_at()), 1) - bar.n)
+        if step % recipe.save_every == 0 or done:
             save()
     bar.close()
     if world > 1:  # identical weights on every rank is what DDP promises: record it
@@ -345,8 +436,11 @@ def add_arguments(p) -> None:
     p.add_argument("--restart", action="store_true", help="ignore a saved state and start over")
     p.add_argument("--show", action="store_true", help="print the resolved recipe and exit")
     p.add_argument("--eval", action="store_true",
-                   help="print the held-out metrics of the draft already in out= (val_tau: the "
-                        "accept length greedy serving would measure) and exit")
+                   help="print the learning curve of the draft in out= (its log's evaluations: "
+                        "accept length per domain and acceptance per depth against steps, "
+                        "labelled positions and minutes; plotted to out=/curve.png), then the "
+                        "saved draft's held-out metrics (val_tau: the accept length greedy serving "
+                        "would measure), and exit")
 
 
 def run(args) -> int:
@@ -357,5 +451,10 @@ def run(args) -> int:
         return 0
     result = train(recipe, load_target_or_default(args.target), restart=args.restart, only_eval=args.eval)
     if int(os.environ.get("RANK", 0)) == 0:
+        if args.eval:  # the learning curve so far, then the saved draft's figures
+            rows = read_curve(recipe.out)
+            print(table(rows))
+            if (made := plot(rows, pathlib.Path(recipe.out) / "curve.png", f"{recipe.kind}: {recipe.out}")):
+                print(f"plot: {made}")
         print(json.dumps(result))
     return 0
