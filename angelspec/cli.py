@@ -235,7 +235,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="compare drafters side by side (tokens/s, accept length, "
                        "speedup over ar, lossless)", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                        description="Every drafter on the same prompts, side by side in one process: "
-                       "tokens/s, accept length, speedup over ar, lossless against batch-1 ar, the "
+                       "tokens/s, accept length, the first draft token's acceptance (acc1), "
+                       "speedup over ar, lossless against batch-1 ar, the "
                        "weights' read rate against the machine's streaming figure, and what bounds "
                        "a one-row forward (its layers as served, with their weights in cache, and "
                        "their weights' streaming time; the machine's figures sampled before every batch).")

@@ -1,6 +1,7 @@
 """`angelspec bench`: every drafter on the same prompts, side by side in one process.
 
-Reports per drafter and domain: tokens/s, mean accept length (tokens per target forward), speedup
+Reports per drafter and domain: tokens/s, mean accept length (tokens per target forward), the
+first draft token's acceptance (`acc1`: of the steps that verified a draft token), speedup
 over `ar` (this engine, autoregressive), the weight bandwidth achieved next to the machine's own,
 and `lossless` (output identical to batch-1 `ar`; a divergence where the target's top-2 logit
 margin is below `eps` is a near-tie, counted in `near_ties` instead of failing). Greedy by
@@ -82,6 +83,8 @@ class Run:
     steps: list[int] = field(default_factory=list)  # verification forwards per prompt
     committed: list[int] = field(default_factory=list)  # tokens from those forwards
     drafted: list[int] = field(default_factory=list)  # draft tokens (chain or tree) verified
+    tried: list[int] = field(default_factory=list)  # steps that verified a draft token
+    first: list[int] = field(default_factory=list)  # ... and accepted its first
     dcut: bool = False
     used: list = field(default_factory=list)  # the drafter each prompt used (auto routes)
     # many in flight: tokens and seconds while every slot was busy (run_engine_chunk)
@@ -101,7 +104,7 @@ class Run:
 
     def __post_init__(self):
         self.outputs, self.steps, self.committed = [None] * self.n, [0] * self.n, [0] * self.n
-        self.drafted = [0] * self.n
+        self.drafted, self.tried, self.first = [0] * self.n, [0] * self.n, [0] * self.n
         self.used = [None] * self.n
 
     @property
@@ -161,6 +164,7 @@ def run_engine_chunk(engine: Engine, run: Run, ids: list[list[int]], chunk: list
         ev = ends[i]
         run.outputs[i], run.steps[i], run.committed[i] = tokens[i], ev.stats.steps, ev.stats.committed
         run.drafted[i], run.used[i] = ev.stats.drafted, ev.drafter
+        run.tried[i], run.first[i] = ev.stats.tried, ev.stats.first
 
 
 class HFRunner:
@@ -450,6 +454,9 @@ def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_t
                    round(sum(run.committed[i] for i in idx) / max(steps, 1), 3),
                    "verified_per_step": None if run.drafter in REFERENCES else
                    round(sum(run.drafted[i] for i in idx) / max(steps, 1), 2),
+                   # of the steps that verified a draft token, the share that accepted the first
+                   "first_accept": None if run.drafter in REFERENCES or not sum(run.tried[i] for i in idx)
+                   else round(sum(run.first[i] for i in idx) / sum(run.tried[i] for i in idx), 3),
                    "speedup_vs_ar": None,
                    "lossless": all(verdicts[i] != "diverged" for i in idx),
                    "near_ties": sum(verdicts[i] == "near_tie" for i in idx),
@@ -537,7 +544,7 @@ def format_table(result: dict) -> str:
              f"weights {cfg['weight_mb']} MB {cfg.get('weights', 'float32')}"
              f"{'' if cfg.get('huge_page_mb') is None else ' (%g MB on huge pages)' % cfg['huge_page_mb']}, "
              f"machine streams {cfg['stream_bandwidth_gb_per_s']} GB/s",
-             f"{'drafter':<22} {'domain':<6} {'tok/s':>8} {'accept':>7} {'verify':>6} {'speedup':>8} "
+             f"{'drafter':<22} {'domain':<6} {'tok/s':>8} {'accept':>7} {'acc1':>5} {'verify':>6} {'speedup':>8} "
              f"{'GB/s':>6} {'%bw':>5} {'lossless':>9} {'near_ties':>9} {'draft/fwd':>9}  used"]
     num = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     for r in result["results"]:
@@ -546,7 +553,8 @@ def format_table(result: dict) -> str:
         name = r["drafter"] + ("+dcut" if r.get("dcut") else "")
         used = " ".join(f"{d}:{n}" for d, n in r.get("drafter_used", {}).items())
         lines.append(f"{name:<22} {r['domain']:<6} {num(r['tokens_per_s'], '8.2f'):>8} "
-                     f"{num(r['mean_accept_len'], '.2f'):>7} {num(r.get('verified_per_step'), '.1f'):>6} "
+                     f"{num(r['mean_accept_len'], '.2f'):>7} {num(r.get('first_accept'), '.2f'):>5} "
+                     f"{num(r.get('verified_per_step'), '.1f'):>6} "
                      f"{num(r['speedup_vs_ar'], '7.2f'):>7}x "
                      f"{num(r['weight_gb_per_s'], '6.1f'):>6} {num(pct, '4.0f'):>4}% "
                      f"{str(r['lossless']).lower():>9} {r['near_ties']:>9} "

@@ -79,6 +79,9 @@ def test_bench_cli_writes_the_documented_json(default_target, tmp_path):
             assert key in r
     assert all(rows[("ngram", dom)]["lossless"] for dom in ("chat", "code", "math", "all"))
     assert rows[("ar", "all")]["speedup_vs_ar"] == 1.0 and rows[("ar", "all")]["n_prompts"] == 3
+    # a first draft token's acceptance: none for ar (nothing drafted), a share for ngram
+    assert rows[("ar", "all")]["first_accept"] is None and rows[("hf", "all")]["first_accept"] is None
+    assert rows[("ngram", "all")]["first_accept"] is None or 0 <= rows[("ngram", "all")]["first_accept"] <= 1
     cfg = res["config"]
     assert cfg["stream_bandwidth_gb_per_s"] > 0
     assert all(cfg[k] > 0 for k in ("layers_served_ms", "layers_in_cache_ms", "layers_stream_ms"))

@@ -106,6 +106,9 @@ def test_seeded_sampling_equals_the_autoregressive_sample_whatever_is_drafted(ti
         assert [r.tokens for r in out] == ref, drafter
         if drafter == "oracle":
             assert sum(r.stats.accepted for r in out) > sum(r.stats.steps for r in out) * 0.3
+            # a step that accepted any draft token accepted its first (a prefix is accepted)
+            assert all(r.stats.first <= r.stats.tried <= r.stats.steps for r in out)
+            assert 0 < sum(r.stats.first for r in out) <= sum(r.stats.accepted for r in out)
     assert len({tuple(r) for r in ref}) == len(ref)
 
 

@@ -12,6 +12,8 @@ class Stats:
     drafted: int = 0
     accepted: int = 0
     committed: int = 0  # tokens committed by those steps (accepted + bonus)
+    tried: int = 0  # steps that verified at least one draft token
+    first: int = 0  # ... and accepted the first (a first draft token's acceptance: first / tried)
 
     @property
     def accept_len(self) -> float:
@@ -23,6 +25,8 @@ class Stats:
         self.drafted += drafted
         self.accepted += accepted
         self.committed += committed
+        self.tried += drafted > 0
+        self.first += accepted > 0
 
 
 @dataclass
