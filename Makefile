@@ -4,9 +4,10 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TARGET ?= build/targets/smollm2-135m-instruct
 BENCH_ARGS ?= --drafters ar,ngram,hf --max-tokens 128 --verify-cost
-# drafts: PRESET=quick (default; 45 min on a 2-core AMX-BF16 CPU, 54 min on AVX512-BF16, over 1 h on AVX2) or PRESET=full (~2.3 h)
+# drafts: PRESET=quick (default: 1,800 prompts, then each draft trains for 11-13 minutes; within the
+# hour on a 2-core CPU) or PRESET=full (3,600 prompts, 30 minutes a draft)
 PRESET ?= quick
-DATA_ARGS_quick := --chat 1200 --code 1200 --math 1200 --heldout 10 --max-tokens 160
+DATA_ARGS_quick := --chat 600 --code 600 --math 600 --heldout 10 --max-tokens 160
 DATA_ARGS_full  := --chat 1200 --code 1200 --math 1200 --heldout 20 --max-tokens 256
 SUFFIX := $(if $(filter full,$(PRESET)),-full,)
 DATA   ?= build/data$(SUFFIX)
@@ -79,17 +80,26 @@ bench: target
 	mkdir -p build
 	$(VENV)/bin/angelspec bench --target $(TARGET) $(BENCH_ARGS) --out build/bench.json
 
+# the data step, then the target's responses to the bundled prompts generated as it was: every
+# evaluation of the trainers walks those too (prompts from sources never trained on)
+OUTSIDE := $(DATA)-bundled
 data: target
 	$(VENV)/bin/angelspec data --target $(TARGET) --out $(DATA) $(DATA_ARGS_$(PRESET))
+	$(VENV)/bin/angelspec data --target $(TARGET) --out $(OUTSIDE) --like $(DATA) --prompts angelspec/data/prompts.jsonl
 
 drafts: data
 	for r in ngram mtp dflash dfly; do \
 	  $(VENV)/bin/angelspec train --recipe $$r --preset $(PRESET) --target $(TARGET) \
-	    --set data=$(DATA) --set out=$(DRAFTS)/$$r || exit 1; done
+	    --set data=$(DATA) --set out=$(DRAFTS)/$$r --set outside_data=$(OUTSIDE) || exit 1; done
+	for r in mtp dflash dfly; do \
+	  $(VENV)/bin/angelspec train --recipe $$r --curve --set out=$(DRAFTS)/$$r || exit 1; done
 
+# on the bundled prompts (sources never trained on), then the data step's held-out split
 bench-drafts: target
-	$(VENV)/bin/angelspec bench --target $(TARGET) --prompts $(DATA)/heldout.jsonl --drafts $(DRAFTS) \
+	$(VENV)/bin/angelspec bench --target $(TARGET) --drafts $(DRAFTS) --dcut off \
 	  --drafters ar,ngram,mtp,dflash,dfly --max-tokens 128 --out build/bench-drafts$(SUFFIX).json
+	$(VENV)/bin/angelspec bench --target $(TARGET) --prompts $(DATA)/heldout.jsonl --drafts $(DRAFTS) --dcut off \
+	  --drafters ar,ngram,mtp,dflash,dfly --max-tokens 128 --out build/bench-drafts-heldout$(SUFFIX).json
 
 engines: target
 	$(VENV)/bin/angelspec build --target $(TARGET) --drafts $(DRAFTS) --data $(DATA) --out $(ENGINE) \

@@ -209,7 +209,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         sp.add_argument("--max-tokens", type=int, default=128, help="default: %(default)s")
         sp.add_argument("--draft-len", type=int, default=None,
                         help="tokens a drafter proposes per step (default: the drafter's own: "
-                             "3 for ngram and mtp, block size - 1 for dfly/dflash)")
+                             "3 for ngram, the trained draft's draft_len for mtp, block size - 1 "
+                             "for dfly/dflash)")
         sp.add_argument("--drafts", default="build/drafts",
                         help="folder of trained drafts (<drafts>/mtp, /dfly, /dflash)")
 

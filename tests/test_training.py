@@ -48,9 +48,10 @@ def test_recipes_resolve_and_reject_mistakes():
     assert (flash.hybrid, flash.ar_head, flash.kind) == (False, False, "dflash")
     assert {k: v for k, v in fly.to_dict().items() if k not in ("hybrid", "ar_head", "kind", "out")} == \
         {k: v for k, v in flash.to_dict().items() if k not in ("hybrid", "ar_head", "kind", "out")}
-    for name in ("mtp", "dfly", "dflash"):
-        assert load_recipe(name, "quick").steps < load_recipe(name, "full").steps
-    assert load_recipe("dflash", "quick").steps == load_recipe("dfly", "quick").steps
+    for name in ("mtp", "dfly", "dflash"):  # the presets are time budgets
+        quick, full = load_recipe(name, "quick"), load_recipe(name, "full")
+        assert quick.steps == full.steps == 0 and 0 < quick.minutes < full.minutes
+    assert load_recipe("dflash", "quick").minutes == load_recipe("dfly", "quick").minutes
     assert load_recipe("mtp", overrides=["lr=5e-4"]).lr == 5e-4
     with pytest.raises(ValueError, match="unknown key.s. learning_rate; the keys are .*batch_size"):
         load_recipe("mtp", overrides=["learning_rate=1"])
@@ -132,7 +133,16 @@ def test_a_time_budget_ends_training_with_an_evaluation_and_the_curve_shows_it(t
     from angelspec.training.curve import plot, read_curve, table
 
     target, root = tiny_data
-    r = recipe("mtp", root, steps=0, minutes=0.02, eval_every=5, out=str(tmp_path / "mtp"))
+    # an outside set: the target's responses to prompts of a file (none drawn, none held out)
+    prompts = tmp_path / "outside.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": t, "domain": d}) + "\n" for t, d in
+                               (("abc abc", "chat"), ("def f(x):", "code"), ("1 + 2 =", "math"))))
+    weights = json.loads((root / "data" / "manifest.json").read_text())["generation"]["weights"]
+    m = build(target, tmp_path / "outside", {}, heldout=5, max_tokens=16, max_prompt_tokens=200,
+              batch_size=4, progress=False, prompts_file=prompts, weights=weights)
+    assert m["totals"]["sequences"] == 3 and (tmp_path / "outside" / "heldout.jsonl").read_text() == ""
+    r = recipe("mtp", root, steps=0, minutes=0.02, eval_every=5, out=str(tmp_path / "mtp"),
+               outside_data=str(tmp_path / "outside"))
     result = train(r, target, progress=False, restart=True)
     rows = log_rows(r.out)
     assert 1 < result["step"] and rows[-1]["seconds"] >= 0.02 * 60 > rows[-2]["seconds"]
@@ -141,11 +151,21 @@ def test_a_time_budget_ends_training_with_an_evaluation_and_the_curve_shows_it(t
     assert curve[-1]["step"] == result["step"] and all(x["step"] % 5 == 0 for x in curve[:-1])
     last = curve[-1]
     doms = [k[8:] for k in last if k.startswith("val_tau_")]
-    assert doms and all(f"val_{m}_{d}" in last for d in doms for m in ("alpha1", "alpha3", "coverage"))
-    assert all(k in last for k in ("val_tau", "val_alpha1", "val_alpha3", "val_coverage"))
+    assert doms and all(f"val_{m}_{d}" in last for d in doms for m in ("alpha1", "alpha2", "coverage"))
+    assert all(k in last for k in ("val_tau", "val_alpha1", "val_alpha2", "val_coverage")) and "val_alpha3" not in last
+    assert all(f"outside_{k}_{d}" in last for d in ("chat", "code", "math") for k in ("tau", "alpha1"))
+    assert "outside_loss" not in last  # the walk alone there
     assert 0 <= last["val_alpha1"] <= 1 and 0 < last["val_coverage"] <= 1 and last["val_tau"] >= 1
     assert train(r, target, progress=False)["step"] == result["step"]  # spent: nothing more
     assert str(result["step"]) in table(curve) and plot(curve, tmp_path / "curve.png").stat().st_size > 0
+    # an outside set made with other weights would measure something serving never sees: refused
+    other = tmp_path / "outside-other"
+    shutil.copytree(tmp_path / "outside", other)
+    mf = json.loads((other / "manifest.json").read_text())
+    mf["generation"]["weights"] = "bf16" if weights != "bf16" else "float32"
+    (other / "manifest.json").write_text(json.dumps(mf))
+    with pytest.raises(ValueError, match="generated with .* weights, the training data with .*--like"):
+        train(dataclasses.replace(r, outside_data=str(other)), target, progress=False, only_eval=True)
 
 
 def test_prompt_positions_teach_past_the_system_preamble(tiny_data):

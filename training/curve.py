@@ -21,18 +21,20 @@ def depths(rows: list[dict]) -> list[int]:
 
 def table(rows: list[dict]) -> str:
     """One line an evaluation: step, tokens, minutes, accept length overall and per domain,
-    acceptance at each depth."""
+    acceptance at each depth (held-out split), then accept length and first-token acceptance
+    per domain on the outside prompts where the log has them."""
     if not rows:
         return "no evaluation in the log yet"
-    doms = [d for d in DOMAINS if f"val_tau_{d}" in rows[-1]]
-    ds = depths(rows)
-    head = (f"{'step':>6} {'tokens':>9} {'min':>6} {'tau':>6} " + "".join(f"{'tau_' + d:>9}" for d in doms)
-            + "".join(f"{'alpha' + str(d):>8}" for d in ds))
-    lines = [head]
+    last = rows[-1]
+    cols = [("tau", "val_tau", ".3f")]
+    cols += [(f"tau_{d}", f"val_tau_{d}", ".3f") for d in DOMAINS if f"val_tau_{d}" in last]
+    cols += [(f"alpha{d}", f"val_alpha{d}", ".3f") for d in depths(rows)]
+    cols += [(f"out_{k}_{d}", f"outside_{k}_{d}", ".3f") for d in DOMAINS for k in ("tau", "alpha1")
+             if f"outside_{k}_{d}" in last]
+    lines = [f"{'step':>6} {'tokens':>9} {'min':>6} " + " ".join(f"{n:>{max(6, len(n))}}" for n, _, _ in cols)]
     for r in rows:
-        lines.append(f"{r['step']:>6} {r.get('tokens', 0):>9} {r.get('seconds', 0) / 60:>6.1f} {r['val_tau']:>6.3f} "
-                     + "".join(f"{r.get('val_tau_' + d, 0):>9.3f}" for d in doms)
-                     + "".join(f"{r.get(f'val_alpha{d}', 0):>8.3f}" for d in ds))
+        lines.append(f"{r['step']:>6} {r.get('tokens', 0):>9} {r.get('seconds', 0) / 60:>6.1f} "
+                     + " ".join(f"{r.get(k, float('nan')):>{max(6, len(n))}{f}}" for n, k, f in cols))
     return "\n".join(lines)
 
 
@@ -47,10 +49,13 @@ def plot(rows: list[dict], path, title: str = "") -> pathlib.Path | None:
     x = [r.get("tokens", r["step"]) / 1e6 for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     a.plot(x, [r["val_tau"] for r in rows], "k-o", ms=3, label="all")
-    for d in DOMAINS:
+    for i, d in enumerate(DOMAINS):
         if f"val_tau_{d}" in rows[-1]:
-            a.plot(x, [r.get(f"val_tau_{d}") for r in rows], "-o", ms=3, label=d)
-    a.set(xlabel="labelled positions trained on (millions)", ylabel="accept length (held-out walk)")
+            a.plot(x, [r.get(f"val_tau_{d}") for r in rows], "-o", ms=3, color=f"C{i}", label=f"{d} (held out)")
+        if f"outside_tau_{d}" in rows[-1]:
+            a.plot(x, [r.get(f"outside_tau_{d}") for r in rows], "--s", ms=3, color=f"C{i}",
+                   label=f"{d} (outside prompts)")
+    a.set(xlabel="labelled positions trained on (millions)", ylabel="accept length (responses walked as served)")
     a.legend()
     for d in depths(rows):
         b.plot(x, [r.get(f"val_alpha{d}") for r in rows], "-o", ms=3, label=f"depth {d}")

@@ -43,7 +43,7 @@ from angelspec.checkpoint import Target
 from angelspec.default_target import load_target_or_default
 from angelspec.drafters import Drafter, make_drafter
 from angelspec.drafters.target_layers import training_layers
-from angelspec.prompts import DOMAINS, read_jsonl
+from angelspec.prompts import DOMAINS, load_prompts, read_jsonl
 from angelspec.runtime.backend import WEIGHTS, choose_weights
 from angelspec.runtime.engine import Engine, Request, settle_heap
 from angelspec.sampling import SamplingParams
@@ -64,11 +64,17 @@ def _jsonl(rows: list[dict]) -> str:
     return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
 
 
-def _prompt_sets(target, out, counts, heldout, max_prompt_tokens, seed):
-    """Draw, length-filter and split the prompts once; a rerun reads the same files back."""
+def _prompt_sets(target, out, counts, heldout, max_prompt_tokens, seed, given=None):
+    """Draw, length-filter and split the prompts once (`given`: these prompts, all on the
+    sequences' side, none held out); a rerun reads the same files back."""
     train_f, held_f = out / "prompts.jsonl", out / "heldout.jsonl"
     if train_f.exists() and held_f.exists():
         return read_jsonl(train_f), read_jsonl(held_f)
+    if given is not None:
+        train = [r for r in given if len(target.encode_chat(r["prompt"])) <= max_prompt_tokens]
+        _write(held_f, "")
+        _write(train_f, _jsonl(train))
+        return train, []
     train, held = [], []
     for d in DOMAINS:
         if not counts.get(d, 0):
@@ -222,10 +228,18 @@ def _open_manifest(out: pathlib.Path, new: dict) -> dict:
 
 def build(target: Target, out_dir, counts: dict[str, int], heldout: int, max_tokens: int,
           max_prompt_tokens: int, batch_size: int = 64, temperature: float = 0.0, seed: int = 0,
-          shard_size: int = 64, progress: bool = True, weights: str = "auto") -> dict:
+          shard_size: int = 64, progress: bool = True, weights: str = "auto",
+          prompts_file=None) -> dict:
     """Build (or resume) a data folder; returns the manifest. weights: the dtype of the target's
     matmul weights (auto: as `angelspec build` will serve them; the caller's target is left
-    as it is)."""
+    as it is). prompts_file: the target's responses to these prompts (JSONL with a domain each:
+    the bundled benchmark prompts, an evaluation set to measure drafts on) instead of prompts
+    drawn from the sources; nothing held out."""
+    given = None
+    if prompts_file is not None:
+        given = [r for r in load_prompts(prompts_file) if r["domain"] in DOMAINS]
+        counts = {d: sum(r["domain"] == d for r in given) for d in DOMAINS}
+        heldout = 0
 
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -248,17 +262,17 @@ def build(target: Target, out_dir, counts: dict[str, int], heldout: int, max_tok
                batch_size=batch_size, drafter="ngram", max_prompt_tokens=max_prompt_tokens,
                weights=numerics)
     requested = dict(counts={d: counts.get(d, 0) for d in DOMAINS}, heldout=heldout,
-                     shard_size=shard_size)
+                     shard_size=shard_size, **({"prompts": str(prompts_file)} if given is not None else {}))
     m = _open_manifest(out, dict(format=FORMAT, target=str(target.path),
                                  target_hash=target.model_hash(), layers=layers,
                                  hidden_size=cfg.hidden_size, generation=gen, requested=requested,
                                  shards=[]))
     m.setdefault("weights_why", choice["why"])
     _write(out / "manifest.json", json.dumps(m, indent=1))
-    train, held = _prompt_sets(target, out, counts, heldout, max_prompt_tokens, seed)
+    train, held = _prompt_sets(target, out, counts, heldout, max_prompt_tokens, seed, given)
     m["counts"] = {d: n for d in DOMAINS if (n := sum(r["domain"] == d for r in train))}
     m["heldout"] = {d: n for d in DOMAINS if (n := sum(r["domain"] == d for r in held))}
-    m["sources"] = {d: dict(sorted(Counter(r["source"] for r in train if r["domain"] == d).items()))
+    m["sources"] = {d: dict(sorted(Counter(r.get("source", "prompts file") for r in train if r["domain"] == d).items()))
                     for d in m["counts"]}
     done = {s["tokens"]: s for s in m["shards"]
             if (out / s["tokens"]).exists() and (out / s["features"]).exists()}
@@ -377,13 +391,28 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0, help="prompt sampling (and response sampling "
                                                         "when --temperature > 0)")
     p.add_argument("--shard-size", type=int, default=64, metavar="N", help="prompts per shard")
+    p.add_argument("--like", default=None, metavar="DIR",
+                   help="generate as the data folder DIR was: its weights, response length, prompt "
+                        "length limit and temperature (for --prompts: a set measured beside it)")
+    p.add_argument("--prompts", default=None, metavar="FILE",
+                   help="the target's responses to the prompts of this JSONL file (a domain each; "
+                        "e.g. angelspec/data/prompts.jsonl, the bundled benchmark prompts) instead "
+                        "of prompts drawn from the sources, nothing held out: a set to measure "
+                        "drafts on (train's outside_data), never to train on")
 
 
 def run(args) -> int:
+    if args.like:  # the other folder's generation settings
+        like = pathlib.Path(args.like) / "manifest.json"
+        if not like.exists():
+            raise FileNotFoundError(f"{like} not found: --like names a data folder")
+        gen = json.loads(like.read_text())["generation"]
+        args.weights, args.max_tokens = gen["weights"], gen["max_tokens"]
+        args.max_prompt_tokens, args.temperature = gen["max_prompt_tokens"], gen["temperature"]
 
     m = build(load_target_or_default(args.target), args.out, {d: getattr(args, d) for d in DOMAINS},
               args.heldout, args.max_tokens, args.max_prompt_tokens, args.batch_size,
-              args.temperature, args.seed, args.shard_size, weights=args.weights)
+              args.temperature, args.seed, args.shard_size, weights=args.weights, prompts_file=args.prompts)
     t = m["totals"]
     print(f"{args.out}: {t['sequences']} sequences, {t['tokens']} tokens "
           f"({t['response_tokens']} generated at {m['generation_tokens_per_s']} tok/s with "

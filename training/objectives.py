@@ -271,16 +271,34 @@ def accepted_at(model, fz: Frozen, tokens: torch.Tensor, feats: dict, start: int
         return accepted
     anchors = torch.arange(start, T - 1)
     batch, fb = tokens[None], {l: f[None] for l, f in feats.items()}
+    at = anchors[:, None] + torch.arange(1, draft_len + 1)
+    truth = torch.where(at < T, tokens[at.clamp(max=T - 1)], -1)  # the tokens a draft must match
     if model.cfg.kind == "mtp":  # the draft at p rolls out from base p-1 (h[p-1], t[p])
         steps = rollout(model, fz, batch, model.features(fb), draft_len, anchors[None] - 1)
         pred = torch.stack([fz.vocab_ids[l[0].argmax(-1)] for l in steps], -1)
     else:
         hidden = block_hidden(model, fz, batch, fb, anchors[None])[0, :, :draft_len]
+        if model.cfg.ar_head and not model.cfg.rescore_top_k:
+            accepted[start: T - 1] = chain_accepted(model, fz, hidden, tokens[anchors], truth)
+            return accepted
         pred = fz.vocab_ids[greedy_chain(model, fz, hidden, tokens[anchors]) if model.cfg.ar_head
                             else fz.logits(hidden).argmax(-1)]
-    at = anchors[:, None] + torch.arange(1, draft_len + 1)
-    hits = (pred == tokens[at.clamp(max=T - 1)]) & (at < T)
-    accepted[start: T - 1] = leading(hits)
+    accepted[start: T - 1] = leading(pred == truth)
+    return accepted
+
+
+def chain_accepted(model, fz: Frozen, hidden, anchor_tok, truth) -> torch.Tensor:
+    """leading(greedy_chain(...) == truth) for blocks [A, n, h], link by link, each link run only
+    for the blocks whose links before it all matched: what follows a miss is never accepted."""
+    accepted = torch.zeros(len(hidden), dtype=torch.long)
+    alive, prev = torch.arange(len(hidden)), anchor_tok
+    for i in range(hidden.shape[1]):
+        tok = fz.vocab_ids[fz.logits(model.head(hidden[alive, i], fz.embed[prev])).argmax(-1)]
+        ok = tok == truth[alive, i]
+        accepted[alive[ok]] += 1
+        alive, prev = alive[ok], tok[ok]
+        if not len(alive):
+            break
     return accepted
 
 

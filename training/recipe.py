@@ -51,6 +51,7 @@ class Recipe:
     save_every: int = 50
     val_sequences: int = 240  # held out of training for the accept-length estimate
     train_sequences: int = 0  # train on only this many of the rest (the data-vs-steps trade); 0: all
+    outside_data: str = ""  # a data folder of prompts from other sources, walked at every evaluation too
     seed: int = 0
     threads: int = 0  # torch threads; 0 = torch's default
     autocast: str = "auto"  # bf16 autocast of training steps: auto (with AMX-BF16), bf16, none
