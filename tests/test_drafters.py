@@ -20,6 +20,7 @@ from angelspec.training.objectives import (
     accepted_at,
     block_hidden,
     block_objective,
+    chain_accepted,
     depth_acceptance,
     greedy_chain,
     own_chain,
@@ -193,6 +194,28 @@ def test_the_ar_head_trained_on_its_own_chain_runs_the_served_chain(target8):
     assert torch.equal(logits[mine].argmax(-1), served[mine])
     forced = fz.logits(model.head(hidden, fz.embed[prev]))
     torch.testing.assert_close(logits[~mine], forced[~mine])
+
+
+def test_the_walk_runs_the_ar_chain_link_by_link_as_served(target8):
+    """chain_accepted (links run only while every link before matched) counts what the full
+    greedy chain's leading matches count, on chains that match 0..B-1 links."""
+    cfg, model = draft(target8, "dfly", vocab=40)
+    with torch.no_grad():  # a head that reads its previous token (it starts at zero)
+        for p in model.ar.parameters():
+            p.normal_(0, 0.5, generator=torch.Generator().manual_seed(3))
+    fz = Frozen(target8.model, model.vocab_ids)
+    tokens = torch.randint(0, 96, (1, 40), generator=torch.Generator().manual_seed(9))
+    feats = features(target8, tokens[0].tolist(), sorted(set(cfg.target_layers)))
+    anchors = torch.arange(4, 20)
+    hidden = block_hidden(model, fz, tokens, {l: f[None] for l, f in feats.items()}, anchors[None])[0]
+    served = fz.vocab_ids[greedy_chain(model, fz, hidden, tokens[0, anchors])]
+    truth = served.clone()
+    for a in range(len(anchors)):  # block a matches its first a % B links, then misses
+        truth[a, a % served.shape[1]:] = -1
+    truth[0] = served[0]  # and one block matches every link
+    got = chain_accepted(model, fz, hidden, tokens[0, anchors], truth)
+    assert torch.equal(got, (served == truth).int().cumprod(-1).sum(-1))
+    assert got.max() == served.shape[1] and got.min() == 0
 
 
 def test_served_steps_and_acceptance_per_depth():

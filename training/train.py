@@ -197,12 +197,10 @@ def evaluate(model, fz, recipe, seqs, indices, layers, prefix: str = "val", obje
             items = [seqs[j] for j in indices[i: i + recipe.batch_size]]
             batch = collate(items, recipe.max_seq_len, layers)[:3]
             m = {}  # past the first OBJECTIVE_SEQUENCES, the walk alone: what serving measures
-            if not objective:
-                pass
-            elif i < OBJECTIVE_SEQUENCES and recipe.kind == "mtp":
+            if objective and i < OBJECTIVE_SEQUENCES and recipe.kind == "mtp":
                 _, m = ttt_rollout(model, fz, *batch, recipe.ttt_steps, recipe.draft_len,
                                    soft=recipe.labels == "soft")
-            elif i < OBJECTIVE_SEQUENCES:
+            elif objective and i < OBJECTIVE_SEQUENCES:
                 g = torch.Generator().manual_seed(1234 + i)
                 anchors, valid = sample_anchors(batch[1], model.cfg.block_size, 64, g)
                 _, m = block_objective(model, fz, *batch, anchors, valid, soft=recipe.labels == "soft")
