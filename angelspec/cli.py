@@ -58,13 +58,34 @@ STAGES = {
 
 def cmd_target(args) -> int:
     from angelspec.checkpoint import load_target
-    from angelspec.default_target import check_tokenizer, ensure_default_target
+    from angelspec.default_target import DEFAULT_DIR, check_tokenizer, ensure_default_target
 
-    out = ensure_default_target(args.out)
+    if args.synthetic:
+        return _synthetic_target(args.synthetic, args.out or f"build/targets/{args.synthetic}")
+    out = ensure_default_target(args.out or DEFAULT_DIR)
     target = load_target(out)
     check_tokenizer(target.tokenizer)
     print(f"{out}: {target.config.architecture}, {target.config.num_layers} layers, hidden "
           f"{target.config.hidden_size}, vocab {target.config.vocab_size}; tokenizer round-trips")
+    return 0
+
+
+def _synthetic_target(name: str, out: str) -> int:
+    from angelspec.bench.gguf import write_gguf
+    from angelspec.checkpoint import Target, read_config
+    from angelspec.default_target import ensure_default_target
+    from angelspec.synthetic_target import GGUF, write_synthetic_target
+
+    t0 = time.perf_counter()
+    path = write_synthetic_target(name, out, ensure_default_target())
+    cfg = read_config(path)
+    gguf = path / GGUF
+    if not gguf.exists():  # the same weights for llama.cpp and OpenVINO, as the default target's
+        print(f"writing {gguf} (Q4_1, the default target's GGUF format)", file=sys.stderr)
+        write_gguf(Target(path, cfg, None, None), "w4a8", gguf)
+    print(f"{path}: synthetic {cfg.architecture} ({name}), {cfg.num_layers} layers, hidden "
+          f"{cfg.hidden_size}, random weights (for speed only), {gguf.name} beside them; "
+          f"{time.perf_counter() - t0:.0f} s")
     return 0
 
 
@@ -125,13 +146,18 @@ def cmd_bench(args) -> int:
         torch.set_num_threads(args.threads)
     prompts = load_prompts(args.prompts, args.limit)
     target = None if args.engine else load_target_or_default(args.target)
+    if args.weights:
+        if args.engine:
+            raise SystemExit("angelspec bench: --weights is for a target; an engine serves the "
+                             "weights it was built with")
+        target.model.serve(args.weights)
     if args.contend:
         return _contend(args, target, prompts)
     result = bench(target, prompts, args.drafters.split(","), max_tokens=args.max_tokens,
                    batch_size=args.concurrency, draft_len=args.draft_len, eps=args.eps,
                    with_verify_cost=args.verify_cost, drafts=args.drafts, engine_dir=args.engine,
                    dcut=args.dcut, rounds=args.rounds, temperature=args.temperature,
-                   top_p=args.top_p)
+                   top_p=args.top_p, ignore_eos=args.ignore_eos)
     print(format_table(result))
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
@@ -199,8 +225,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("target", help="convert the default target (once) and check its tokenizer")
-    t.add_argument("--out", default="build/targets/smollm2-135m-instruct",
-                   help="checkpoint folder to write (default: %(default)s)")
+    t.add_argument("--out", default=None,
+                   help="checkpoint folder to write (default: build/targets/smollm2-135m-instruct, "
+                        "or build/targets/NAME with --synthetic)")
+    t.add_argument("--synthetic", choices=["llama-1b", "qwen2-1.5b", "llama-3b"], default=None,
+                   help="instead, a seeded random-weight checkpoint of that shape (Llama-3.2-1B, "
+                        "Qwen2.5-1.5B, Llama-3.2-3B) with the default target's tokenizer, and a "
+                        "Q4_1 GGUF of the same weights: for speed measurements only")
     t.set_defaults(fn=cmd_target)
 
     def common(sp):
@@ -247,9 +278,12 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     common(b)
     b.add_argument("--drafters", default="ar,ngram,hf",
                    help="comma-separated: ar, ngram, mtp, dflash, dfly, auto (routed; needs "
-                        "--engine), hf (transformers generate(), the outside reference), llamacpp "
-                        "(llama.cpp on the GGUF the default target comes from, or on one bench "
-                        "writes for another Llama target under build/gguf/; `make llamacpp`), "
+                        "--engine), hf (transformers generate(), the outside reference), "
+                        "llamacpp / llamacpp-ngram (llama.cpp's own llama-server in its own process "
+                        "over HTTP, greedy and with its n-gram speculation, plus llama-bench's "
+                        "decode figure; `make llamacpp`), openvino / openvino-lookup (OpenVINO "
+                        "GenAI, greedy and with prompt lookup; `make openvino`): the peers run on "
+                        "the GGUF the target comes from, or on one bench writes under build/gguf/; "
                         "float32 (the same target with float32 weights, ar: what the engine's "
                         "bf16 or quantized weights gain)")
     b.add_argument("--limit", type=int, default=None, help="first N prompts of each domain")
@@ -260,9 +294,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                    help="requests in flight (continuous batching: a finished request's slot is "
                         "refilled at once); tokens/s counts the steps while every slot is busy, "
                         "the whole run's (the drain at the end included) is printed below")
-    b.add_argument("--dcut", choices=["off", "on", "both"], default="off",
-                   help="D-cut (load-following verification budget): both = every drafter with "
-                        "and without it, side by side")
+    b.add_argument("--dcut", choices=["engine", "off", "on", "both"], default="engine",
+                   help="D-cut (load-following verification budget). engine: what is served, the "
+                        "engine's own setting with --engine and on without (a built engine serves "
+                        "with it unless built with --no-dcut); both = every drafter with and "
+                        "without it, side by side; the table's header names the setting")
     b.add_argument("--rounds", type=int, default=1,
                    help="run every batch this many times, drafters taking turns (steadier "
                         "figures on a noisy machine, at high concurrency above all); each "
@@ -275,7 +311,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     b.add_argument("--eps", type=float, default=1e-4,
                    help="top-2 logit margin below which a divergence counts as a near-tie")
     b.add_argument("--verify-cost", action="store_true",
-                   help="also measure one forward's cost for 1, 2, 4, 8, 16 tokens")
+                   help="also measure one forward's cost over 1..16 new tokens: C(k)/C(1)")
+    b.add_argument("--weights", choices=["bfloat16", "int8", "int4", "w8a8", "w4a8"], default=None,
+                   help="serve the target's matmul weights so (without --engine; default: as loaded, "
+                        "float32): a large target measured without building an engine")
+    b.add_argument("--ignore-eos", action="store_true",
+                   help="every request makes --max-tokens tokens (a synthetic target's, whose "
+                        "end of text is noise)")
     b.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     b.add_argument("--contend", type=int, default=0, metavar="N",
                    help="run beside N busy processes: each drafter at batch 1, idle and busy, "

@@ -203,8 +203,10 @@ class Llama:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], max_len: int = DEFAULT_MAX_LEN):
         self.cfg = cfg
         w = weights
-        get = lambda k: w[k].float().contiguous()  # noqa: E731
-        opt = lambda k: w[k].float().contiguous() if k in w else None  # noqa: E731
+        # taken out of `weights` as they are converted: a bf16 checkpoint's tensors are freed
+        # layer by layer, never all held beside their float32 copies
+        get = lambda k: w.pop(k).float().contiguous()  # noqa: E731
+        opt = lambda k: w.pop(k).float().contiguous() if k in w else None  # noqa: E731
         self.embed = get("model.embed_tokens.weight")
         self.lm_head = self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in w \
             else get("lm_head.weight")

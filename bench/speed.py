@@ -25,14 +25,17 @@ import torch
 from tqdm import tqdm
 
 from angelspec.bench.gguf import FORMATS, write_gguf
+from angelspec.bench.peers import PEERS, SPECULATING, llama_bench, make_peer
 from angelspec.checkpoint import Target, load_target
 from angelspec.default_target import gguf_folder
 from angelspec.model import Segment
 from angelspec.pages import huge_page_mb, zeros_on_huge_pages
 from angelspec.runtime import Engine, Request, SamplingParams, settle_heap
-from angelspec.runtime.backend import DecodeStep
-from angelspec.runtime.cost import cpu_flags, cpu_model, profile
+from angelspec.runtime.backend import DecodeStep, fidelity
+from angelspec.runtime.cost import cpu_model, profile
 from angelspec.runtime.engine_dir import load_engine
+from angelspec.runtime.manifest import read_manifest
+from angelspec.synthetic_target import is_synthetic
 
 NEAR_TIE_EPS = 1e-4
 
@@ -91,6 +94,12 @@ class Run:
     steady_tokens: int = 0
     steady_seconds: float = 0.0
     rates: list = field(default_factory=list)  # tokens/s of each batch, in the order they ran
+    decoded: dict[str, list] = field(default_factory=dict)  # per domain, a peer's own decode timings
+
+    def decode(self, domain: str, tokens: int, seconds: float) -> None:
+        """A peer's own account of its decoding (prompt processing excluded)."""
+        t = self.decoded.setdefault(domain, [0, 0.0])
+        t[0], t[1] = t[0] + tokens, t[1] + seconds
 
     def mark(self) -> tuple:
         return sum(self.seconds.values()), self.steady_tokens, self.steady_seconds
@@ -132,13 +141,14 @@ def chunks(prompts: list[dict], batch_size: int) -> list[tuple[str, list[int]]]:
 
 def run_engine_chunk(engine: Engine, run: Run, ids: list[list[int]], chunk: list[int],
                      domain: str, max_tokens: int, sampling: dict | None = None,
-                     drafter: str | None = None) -> None:
+                     drafter: str | None = None, ignore_eos: bool = False) -> None:
     """sampling: temperature and top_p (each prompt sampled with its index as seed); None: greedy.
-    drafter: the one to request (default: the run's). The chunk runs with continuous batching;
-    the tokens committed while every slot was busy, and the time they took, are kept apart
-    (Run.steady_*): once the queue is empty the batch drains, and how fast it drains depends on
-    the slowest request left, not on the load the engine serves."""
-    params = [SamplingParams(max_tokens=max_tokens, **(dict(sampling, seed=i) if sampling else {}))
+    drafter: the one to request (default: the run's); ignore_eos: every request makes max_tokens.
+    The chunk runs with continuous batching; the tokens committed while every slot was busy, and
+    the time they took, are kept apart (Run.steady_*): once the queue is empty the batch drains,
+    and how fast it drains depends on the slowest request left, not on the load the engine serves."""
+    params = [SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos,
+                             **(dict(sampling, seed=i) if sampling else {}))
               for i in chunk]
     engine.dcut = run.dcut
     st = engine.stats
@@ -178,14 +188,15 @@ class HFRunner:
         self.eos = target.eos_ids or None
 
     def __call__(self, run: Run, ids: list[list[int]], chunk: list[int], domain: str,
-                 max_tokens: int) -> None:
+                 max_tokens: int, ignore_eos: bool = False) -> None:
+        eos = None if ignore_eos else self.eos
         for i in chunk:
             x = torch.tensor([ids[i]])
             t0 = time.perf_counter()
             with torch.inference_mode():
                 out = self.model.generate(x, attention_mask=torch.ones_like(x),
                                           max_new_tokens=max_tokens, do_sample=False,
-                                          eos_token_id=self.eos,
+                                          eos_token_id=eos,
                                           pad_token_id=self.eos[0] if self.eos else 0)
             run.outputs[i] = out[0, x.shape[1]:].tolist()
             run.add(domain, time.perf_counter() - t0, 0.0, len(run.outputs[i]))
@@ -202,66 +213,9 @@ class Float32Runner:
         run_engine_chunk(self.engine, Run("ar", 1), [[1, 2, 3]], [0], "warm-up", 8)
 
     def __call__(self, run: Run, ids: list[list[int]], chunk: list[int], domain: str,
-                 max_tokens: int) -> None:
-        run_engine_chunk(self.engine, run, ids, chunk, domain, max_tokens, drafter="ar")
-
-
-class LlamaCppRunner:
-    """llama.cpp (llama-cpp-python) on the GGUF the target was converted from, or on one written
-    for it (gguf_of): the CPU runtime a user would pick instead. Greedy, batch 1, the same
-    chat-encoded token ids, as many threads as torch uses. Its numerics differ from ours (its own
-    kernels, its own rounding of the activations), so its output is compared, not required to
-    match."""
-
-    def __init__(self, target: Target):
-        try:
-            import llama_cpp  # noqa: F401
-        except ImportError as exc:
-            raise ValueError("llamacpp needs llama-cpp-python: `make llamacpp` (builds llama.cpp, "
-                             "~10 min on 2 cores)") from exc
-        self.no_repack = llamacpp_without_repack()
-        self.model = load_llamacpp(gguf_of(target), n_ctx=4096, n_threads=torch.get_num_threads())
-        self.eos = set(target.eos_ids)
-
-    def __call__(self, run: Run, ids: list[list[int]], chunk: list[int], domain: str,
-                 max_tokens: int) -> None:
-        for i in chunk:
-            out = []
-            t0 = time.perf_counter()
-            self.model.reset()
-            for tok in self.model.generate(ids[i], top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0,
-                                           reset=True):
-                out.append(int(tok))
-                if tok in self.eos or len(out) == max_tokens:
-                    break
-            run.outputs[i] = out
-            run.add(domain, time.perf_counter() - t0, 0.0, len(out))
-
-
-def llamacpp_without_repack() -> bool:
-    """Whether llama.cpp must run without its extra buffer types on this CPU (AMX-INT8)."""
-    return "amx_int8" in cpu_flags()
-
-
-def load_llamacpp(gguf: pathlib.Path, n_ctx: int, n_threads: int):
-    """llama_cpp.Llama on a GGUF, greedy-ready. On CPUs with AMX-INT8 without its extra buffer
-    types (`llama-cli --no-repack`): its AMX matmul crashed the process on such a machine here
-    (ggml_backend_amx_mul_mat, as in llama.cpp issue 20824)."""
-    import llama_cpp.llama as lib
-
-    defaults = lib.llama_cpp.llama_model_default_params
-
-    def no_extra_buffers():
-        params = defaults()
-        params.use_extra_bufts = False
-        return params
-
-    if llamacpp_without_repack():  # Llama() takes no such argument: its default parameters, changed
-        lib.llama_cpp.llama_model_default_params = no_extra_buffers
-    try:
-        return lib.Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=n_threads, n_batch=512, verbose=False)
-    finally:
-        lib.llama_cpp.llama_model_default_params = defaults
+                 max_tokens: int, ignore_eos: bool = False) -> None:
+        run_engine_chunk(self.engine, run, ids, chunk, domain, max_tokens, drafter="ar",
+                         ignore_eos=ignore_eos)
 
 
 GGUF_DIR = pathlib.Path("build/gguf")  # GGUFs bench writes for targets not converted from one
@@ -273,8 +227,8 @@ def gguf_of(target: Target) -> pathlib.Path:
     serves, once, under build/gguf/ (keyed by the checkpoint's path, files and weights)."""
     src = target.path / "angelspec_source.json"
     name = json.loads(src.read_text()).get("gguf") if src.exists() else None
-    if name:
-        return gguf_folder() / name
+    if name:  # the default target's lies in its package; a synthetic target's in its folder
+        return target.path / name if (target.path / name).exists() else gguf_folder() / name
     weights = target.model.weights
     files = sorted(target.path.glob("*.safetensors")) + sorted(target.path.glob("*.json"))
     key = hashlib.sha256(str(target.path.resolve()).encode())
@@ -299,8 +253,8 @@ def agreement(ref: list[int], out: list[int]) -> float:
 
 
 # timed beside ours, greedy: outside runtimes, and our float32 weights; no drafts, no accept length
-REFERENCES = ("hf", "llamacpp", "float32")
-OTHER_NUMERICS = ("llamacpp", "float32")  # their greedy text is compared with ar's, not required to match
+REFERENCES = ("hf", "float32", *PEERS)
+OTHER_NUMERICS = ("float32", *PEERS)  # their greedy text is compared with ar's, not required to match
 
 
 def top2_margin(target: Target, tokens: list[int]) -> float:
@@ -323,25 +277,7 @@ def compare(target: Target, ids: list[int], ref: list[int], out: list[int], eps:
     return "near_tie" if top2_margin(target, ids + ref[:j]) < eps else "diverged"
 
 
-def agreement_with_float32(path, ids: list[list[int]], outputs: list[list[int]]) -> float:
-    """How often the float32 checkpoint's own top-1 token, fed the served engine's greedy text,
-    is the token the engine chose (teacher-forced over every output position): 1.0 for float32
-    weights, what bf16 or int8 / int4 weights cost in fidelity."""
-    ref = load_target(path)  # float32, as the checkpoint is
-    agree = total = 0
-    for x, out in zip(ids, outputs):
-        if not out:
-            continue
-        seq = torch.tensor(x + out)
-        cache = ref.model.new_cache(1, len(seq) + 1)
-        logits, _ = ref.model.forward(seq, ref.model.batch([Segment(0, 0, len(seq))]), cache,
-                                      logit_rows=torch.arange(len(x) - 1, len(seq) - 1))
-        agree += int((logits.argmax(-1) == torch.tensor(out)).sum())
-        total += len(out)
-    return agree / max(total, 1)
-
-
-def verify_cost(target: Target, context: int = 256, sizes=(1, 2, 4, 8, 16), reps: int = 15) -> dict:
+def verify_cost(target: Target, context: int = 256, sizes=tuple(range(1, 17)), reps: int = 15) -> dict:
     """Median ms of one target forward over n new tokens after `context` cached tokens.
 
     Sizes are measured in interleaved rounds, so a slow phase of a noisy machine hits all alike.
@@ -366,15 +302,20 @@ def verify_cost(target: Target, context: int = 256, sizes=(1, 2, 4, 8, 16), reps
 def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_tokens: int = 128,
           batch_size: int = 1, draft_len: int | None = None, eps: float = NEAR_TIE_EPS,
           with_verify_cost: bool = False, drafts: str | None = None, engine_dir: str | None = None,
-          dcut: str = "off", rounds: int = 1, temperature: float = 0.0, top_p: float = 1.0) -> dict:
-    """batch_size: requests in flight (the engine's concurrency); dcut: off, on or both (every
-    drafter runs with and without D-cut, side by side); engine_dir: serve a built engine (its
+          dcut: str = "engine", rounds: int = 1, temperature: float = 0.0, top_p: float = 1.0,
+          ignore_eos: bool = False) -> dict:
+    """batch_size: requests in flight (the engine's concurrency); dcut: off, on, both (every
+    drafter runs with and without D-cut, side by side) or engine (what is served: the engine's
+    own setting with engine_dir, on without); engine_dir: serve a built engine (its
     target, drafts, router, backend and cost profile) instead of `target` + `drafts`; rounds:
     every batch runs that many times, drafters taking turns each time, and times add up (at high
     concurrency all prompts are one batch, so one round would time each drafter once, at a
-    different moment of a noisy machine); temperature > 0: seeded sampling (top_p too)."""
+    different moment of a noisy machine); temperature > 0: seeded sampling (top_p too);
+    ignore_eos: every request makes max_tokens (a synthetic target's, whose end is noise)."""
     names = [d.strip() for d in drafters if d.strip()]
     names = ["ar"] + [d for d in names if d != "ar"]  # ar is the speed and lossless reference
+    if dcut == "engine":
+        dcut = "on" if not engine_dir or read_manifest(engine_dir, verify=False).defaults.dcut else "off"
     modes = {"off": (False,), "on": (True,), "both": (False, True)}[dcut]
     sampling = None
     if temperature:
@@ -392,21 +333,23 @@ def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_t
         engine = load_engine(engine_dir, max_batch=batch_size, max_len=max_len, dcut=False,
                              target=target)
     else:
+        drafting = any(d not in ("ar", *REFERENCES) for d in names)  # D-cut's cost table: only for them
         engine = Engine(target, max_batch=batch_size, draft_len=draft_len, max_len=max_len,
-                        drafts=drafts, cost=profile(target.model) if True in modes else None)
+                        drafts=drafts, cost=profile(target.model) if True in modes and drafting else None)
     for d in names:
         if d not in REFERENCES:
             engine.drafter_key(d)  # unknown drafters and unfit drafts fail before any work
     run_engine_chunk(engine, Run("ar", len(ids)), ids, [0], "warm-up", 8)
     settle_heap()
+    resident = resident_mb()  # the engine's, before any reference loads beside it
     # the bandwidth reference (and the layers' times) are sampled before every batch, under the
     # same conditions as the decoding they are compared with (this machine's speed drifts), and
     # their medians reported
     stream_buf, samples, layer_ms = stream_buffer(), [], []
     layers = LayerTimes(target)
-    outside = {"hf": HFRunner, "llamacpp": LlamaCppRunner,
-               "float32": lambda t: Float32Runner(t, batch_size, max_len)}
-    outside = {d: outside[d](target) for d in names if d in REFERENCES}
+    outside = {d: HFRunner(target) if d == "hf" else Float32Runner(target, batch_size, max_len)
+               if d == "float32" else make_peer(d, gguf_of(target), torch.get_num_threads(), batch_size, max_len)
+               for d in names if d in REFERENCES}
     runs = [Run(d, len(prompts), dcut=m) for d in names
             for m in ((False,) if d in ("ar", *REFERENCES) else modes)]
     # drafters take turns on each batch, each batch starting with the next one: a slow phase of
@@ -419,9 +362,10 @@ def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_t
         for run in runs[k % len(runs):] + runs[:k % len(runs)]:
             mark = run.mark()
             if run.drafter in outside:
-                outside[run.drafter](run, ids, chunk, domain, max_tokens)
+                outside[run.drafter](run, ids, chunk, domain, max_tokens, ignore_eos)
             else:
-                run_engine_chunk(engine, run, ids, chunk, domain, max_tokens, sampling)
+                run_engine_chunk(engine, run, ids, chunk, domain, max_tokens, sampling,
+                                 ignore_eos=ignore_eos)
             run.close_batch(chunk, mark)
     ref = runs[0].outputs
     if batch_size > 1:  # the lossless reference is always batch-1 autoregressive decoding
@@ -429,7 +373,8 @@ def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_t
         single = Engine(target, max_batch=1, max_len=engine.max_len, prompt_prefix=engine.prompt_prefix)
         for domain, chunk in tqdm(chunks(prompts, 1), desc="reference (ar, batch 1)",
                                   file=sys.stderr):
-            run_engine_chunk(single, ref_run, ids, chunk, domain, max_tokens, sampling)
+            run_engine_chunk(single, ref_run, ids, chunk, domain, max_tokens, sampling,
+                             ignore_eos=ignore_eos)
         ref = ref_run.outputs
     bandwidth = statistics.median(samples)
     del stream_buf, layers
@@ -466,6 +411,12 @@ def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_t
                            same_as_ar=sum(run.outputs[i] == ref[i] for i in idx),
                            token_agreement=round(statistics.mean(agreement(ref[i], run.outputs[i])
                                                                  for i in idx), 3))
+                own = next((r for r in runs if r.drafter == SPECULATING.get(run.drafter)), None)
+                if own:  # a peer's speculation against its own greedy output
+                    row["same_as_own_greedy"] = sum(run.outputs[i] == own.outputs[i] for i in idx)
+                dec = [run.decoded[d] for d in run.decoded if dom in ("all", d)]
+                if dec and sum(s for _, s in dec):
+                    row["decode_tokens_per_s"] = round(sum(n for n, _ in dec) / sum(s for _, s in dec), 2)
             if timed:
                 secs, pre, forwards = pick(run.seconds), pick(run.prefill), pick(run.forwards)
                 tps = new * rounds / secs
@@ -476,7 +427,7 @@ def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_t
                 if run.drafter == "ar":
                     ar_tps[dom] = tps
                 # weights read per second while decoding: one read per verification forward
-                # (hf, llamacpp: one per token, prefill included as it cannot be separated)
+                # (hf: one per token, prefill included as it cannot be separated)
                 row.update(seconds=round(secs, 3), tokens_per_s=round(tps, 2),
                            speedup_vs_ar=round(tps / ar_tps[dom], 3),
                            weight_gb_per_s=None if run.drafter in OTHER_NUMERICS else  # their own bytes
@@ -495,11 +446,12 @@ def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_t
         "config": {
             "target": str(target.path), "engine": engine_dir, "prompts": len(prompts),
             "domains": domains, "max_tokens": max_tokens, "concurrency": batch_size,
-            "hf_batch_size": 1, "dcut": dcut, "rounds": rounds,
+            "hf_batch_size": 1, "dcut": dcut, "rounds": rounds, "ignore_eos": ignore_eos,
+            "synthetic": is_synthetic(target.path),
             "draft_len": engine.drafter("ngram").draft_len if "ngram" in names else draft_len,
             "greedy": not temperature, "temperature": temperature, "top_p": top_p,
             "dtype": "float32", "weights": target.model.weights,
-            "threads": torch.get_num_threads(),
+            "threads": torch.get_num_threads(), "resident_mb": resident,
             "near_tie_eps": eps, "cpu": cpu_model(), "cores": os.cpu_count(),
             "kernel_isa": torch.backends.cpu.get_cpu_capability(),
             "torch": torch.__version__, "weight_mb": round(weight_bytes / 1e6, 1),
@@ -516,14 +468,28 @@ def bench(target: Target | None, prompts: list[dict], drafters: list[str], max_t
         },
         "results": rows,
     }
-    if "llamacpp" in outside:
-        result["config"]["llamacpp_extra_buffers"] = not outside["llamacpp"].no_repack
-    if target.model.weights != "float32" and not temperature:
-        result["config"]["top1_agreement_with_float32"] = round(
-            agreement_with_float32(target.path, ids, ref), 4)
+    for runner in outside.values():
+        getattr(runner, "close", lambda: None)()
+    if "llamacpp" in outside:  # llama.cpp's own decode figure, beside its served one
+        result["config"]["llama_bench_tg"] = {"tokens": max_tokens, "tokens_per_s": llama_bench(
+            gguf_of(target), torch.get_num_threads(), max_tokens)}
+        result["config"]["llamacpp_server"] = outside["llamacpp"].server.cmd
+    if target.model.weights != "float32" and not temperature and not result["config"]["synthetic"]:
+        # the served weights' quality against the checkpoint's, on the prompts and ar's text
+        reference = load_target(target.path, max_len=max_len).model
+        result["config"]["fidelity"] = fidelity(reference, target.model, [x + out for x, out in zip(ids, ref)])
     if with_verify_cost:
         result["verify_cost"] = verify_cost(target)
     return result
+
+
+def resident_mb() -> float | None:
+    """This process's resident memory (VmRSS), MB; None where /proc does not say."""
+    try:
+        kb = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return None
+    return round(kb / 1e3, 1)
 
 
 def paired(rates: list[float], ar_rates: list[float]) -> dict:
@@ -537,11 +503,13 @@ def paired(rates: list[float], ar_rates: list[float]) -> dict:
 
 def format_table(result: dict) -> str:
     cfg = result["config"]
-    lines = [f"target {cfg['target']}  |  {cfg['prompts']} prompts, {cfg['max_tokens']} new "
-             f"tokens, {cfg['concurrency']} in flight, "
+    synthetic = " (synthetic: random weights, speed only)" if cfg.get("synthetic") else ""
+    lines = [f"target {cfg['target']}{synthetic}  |  {cfg['prompts']} prompts, {cfg['max_tokens']} new "
+             f"tokens{' (EOS ignored)' if cfg.get('ignore_eos') else ''}, {cfg['concurrency']} in flight, "
              f"{'greedy' if cfg['greedy'] else 'sampled at T=%g top_p=%g' % (cfg['temperature'], cfg['top_p'])}, "
-             f"{cfg['threads']} threads  |  "
+             f"{cfg['threads']} threads, D-cut {cfg.get('dcut', 'off')}  |  "
              f"weights {cfg['weight_mb']} MB {cfg.get('weights', 'float32')}"
+             f"{'' if cfg.get('resident_mb') is None else ' (engine process resident: %g MB)' % cfg['resident_mb']}"
              f"{'' if cfg.get('huge_page_mb') is None else ' (%g MB on huge pages)' % cfg['huge_page_mb']}, "
              f"machine streams {cfg['stream_bandwidth_gb_per_s']} GB/s",
              f"{'drafter':<22} {'domain':<6} {'tok/s':>8} {'accept':>7} {'acc1':>5} {'verify':>6} {'speedup':>8} "
@@ -561,7 +529,13 @@ def format_table(result: dict) -> str:
                      f"{num(r.get('draft_per_forward'), '.3f'):>9}  {used}")
         if r["drafter"] in OTHER_NUMERICS and r["domain"] == "all":
             lines.append(f"{'':<22} {r['drafter']}'s greedy tokens: {r['same_as_ar']} of {r['n_prompts']} prompts "
-                         f"identical to ar's, {100 * r['token_agreement']:.1f}% of tokens before they differ")
+                         f"identical to ar's, {100 * r['token_agreement']:.1f}% of tokens before they differ"
+                         + ("" if "same_as_own_greedy" not in r else
+                            f"; identical to {SPECULATING[r['drafter']]}'s own greedy output on "
+                            f"{r['same_as_own_greedy']} of {r['n_prompts']}")
+                         + ("" if "decode_tokens_per_s" not in r else
+                            f"; its own decode timings: {r['decode_tokens_per_s']:.2f} tok/s"
+                            + (" a request" if cfg["concurrency"] > 1 else "")))
     drained = [(r["drafter"] + ("+dcut" if r.get("dcut") else ""), r["drained_tokens_per_s"])
                for r in result["results"] if "drained_tokens_per_s" in r]
     if drained:
@@ -579,16 +553,20 @@ def format_table(result: dict) -> str:
                      f"ms as served; {cfg['layers_in_cache_ms']:.2f} ms of compute with their weights in "
                      f"cache and {cfg['layers_stream_ms']:.2f} ms to stream their weights at the machine's "
                      "rate (a forward overlapping the two takes the larger, one that does not their sum)")
-    if cfg.get("llamacpp_extra_buffers") is False:
-        lines.append("llamacpp ran without its extra buffer types (--no-repack): its AMX-INT8 matmul "
-                     "crashed on such a CPU here (llama.cpp issue 20824)")
-    if "top1_agreement_with_float32" in cfg:
-        lines.append(f"{cfg['weights']} weights: the float32 checkpoint's top-1 token agrees with "
-                     f"{100 * cfg['top1_agreement_with_float32']:.1f}% of the greedy tokens "
-                     "(teacher-forced on ar's output)")
+    if "llama_bench_tg" in cfg:
+        lines.append(f"llama-bench tg{cfg['llama_bench_tg']['tokens']} (llama.cpp's decode figure, same GGUF "
+                     f"and threads): {cfg['llama_bench_tg']['tokens_per_s']:.2f} tok/s; llamacpp served by "
+                     f"`{cfg['llamacpp_server']}`")
+    if "fidelity" in cfg:
+        f = cfg["fidelity"]
+        lines.append(f"{cfg['weights']} weights against the float32 checkpoint, teacher-forced over the prompts "
+                     f"and ar's text ({f['tokens']} tokens): top-1 agreement {100 * f['top1_agreement']:.1f}%, "
+                     f"perplexity {f['perplexity_served']} against {f['perplexity_float32']} (lossless is "
+                     "against the served weights)")
     vc = result.get("verify_cost")
     if vc:
-        lines.append(f"verification cost after {vc['context']} cached tokens (one forward): " +
-                     ", ".join(f"{n} tok {ms:.1f} ms ({vc['ratio_vs_1'][n]:.2f}x)"
-                               for n, ms in vc["ms"].items()))
+        ms, ratio = ({int(k): v for k, v in vc[key].items()} for key in ("ms", "ratio_vs_1"))
+        lines.append(f"verification cost after {vc['context']} cached tokens: one forward over 1 token "
+                     f"{ms[1]:.2f} ms; over k tokens, C(k)/C(1): " +
+                     " ".join(f"{k}:{r:.2f}" for k, r in ratio.items() if k > 1))
     return "\n".join(lines)

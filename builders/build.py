@@ -28,10 +28,9 @@ from angelspec.checkpoint import CheckpointError, load_target
 from angelspec.drafters import TRAINED, Datastore, make_drafter, parse_spec, parts
 from angelspec.model import KV_CACHES
 from angelspec.plugins import RATIOS, SKINNY_MAX_ROWS
-from angelspec.plugins.linear import WITH_INT8_ACTIVATIONS
 from angelspec.prompts import CALIBRATION_PROMPTS, DEFAULT_PROMPTS, DOMAINS, load_prompts
 from angelspec.runtime import Engine, Request, SamplingParams
-from angelspec.runtime.backend import WEIGHTS, choose_weights, use_backend
+from angelspec.runtime.backend import WEIGHTS, choose_weights, fidelity, use_backend
 from angelspec.runtime.cost import fingerprint, profile
 from angelspec.runtime.manifest import (
     BackendChoice,
@@ -44,6 +43,7 @@ from angelspec.runtime.manifest import (
     read_manifest,
 )
 from angelspec.runtime.router import CANDIDATES, DEFAULT_ROUTES, DomainClassifier, Router, contenders
+from angelspec.synthetic_target import is_synthetic
 
 DRAFT_FILES = ("config.json", "model.safetensors")
 
@@ -233,8 +233,14 @@ def _build(target_dir: pathlib.Path, drafts_dir: pathlib.Path, out: pathlib.Path
     target = load_target(target_dir)
     weights = choose_weights(target.model, weights)
     if kv_cache == "auto":  # where activations are rounded already (bf16 tiles, w8a8 / w4a8), keys too
-        rounds = weights["amx_tiles"] or weights["dtype"] in WITH_INT8_ACTIVATIONS.values()
-        kv_cache = "float32" if weights["exact"] and not rounds else "bfloat16"
+        kv_cache = "float32" if weights["own_outputs"] else "bfloat16"
+    if not (weights["own_outputs"] and kv_cache == "float32") and not is_synthetic(target_dir):
+        # lossless against the served weights, not the checkpoint: say what that costs
+        served = target.model.served_as(weights["dtype"])
+        served.kv_dtype = KV_CACHES[kv_cache]
+        weights["fidelity"] = fidelity(target.model, served, [target.encode_chat(p["prompt"])
+                                                              for p in load_prompts(DEFAULT_PROMPTS)])
+        del served
     target.model.kv_dtype = KV_CACHES[kv_cache]
     target.model.serve(weights["dtype"])  # everything below is measured as it will serve
     kinds = [k for k in drafters if k != "ngram"] if drafters else \
@@ -352,7 +358,9 @@ def add_arguments(p) -> None:
                         "are bf16 values) and int8 / int4 (and w8a8 / w4a8) where they give back "
                         "the checkpoint's weights exactly (the default target: int4) and serves "
                         "the fastest, "
-                        "saying why. int8 / int4: weight-only quantized in groups of 32 as "
+                        "saying why; exact: the same among only the options that compute the "
+                        "checkpoint's own outputs (no w8a8 / w4a8, no AMX tiles, float32 KV cache). "
+                        "int8 / int4: weight-only quantized in groups of 32 as "
                         "llama.cpp's Q8_0 / Q4_1, 3.6x / 5.3x fewer bytes per token than "
                         "float32, any AVX2 CPU; w8a8 / w4a8: the same weights, each matmul's "
                         "input rounded to int8 in blocks of 32 and integer dot products, as "
@@ -376,6 +384,18 @@ def add_arguments(p) -> None:
                         "with plugin ops for TensorRT Edge-LLM; needs `make export-env`)")
 
 
+def quality_line(w, kv_cache: str) -> str:
+    """What the engine's greedy output equals: the checkpoint's own, or its served weights' (then
+    with their measured fidelity to float32)."""
+    if w.own_outputs and kv_cache == "float32":
+        return "outputs: the checkpoint's own (float32 numbers); speculation lossless against them"
+    f = w.fidelity
+    return ("outputs: lossless against the served weights, not the checkpoint's own" +
+            ("" if not f else f" (against float32 on the bundled prompts, {f['tokens']} tokens "
+             f"teacher-forced: top-1 agreement {100 * f['top1_agreement']:.1f}%, perplexity "
+             f"{f['perplexity_served']} vs {f['perplexity_float32']}); --weights exact serves the checkpoint's own"))
+
+
 def run(args) -> int:
     m = build(args.target, args.drafts, args.out, args.data or None,
               args.drafters.split(",") if args.drafters else None,
@@ -389,6 +409,7 @@ def run(args) -> int:
     print(f"{out}: drafters {', '.join(m.drafters)}; default {m.defaults.drafter}, "
           f"D-cut {'on' if m.defaults.dcut else 'off'}; backend {be.chosen} ({speeds}); "
           f"{m.weights.dtype} weights ({m.weights.why}); {m.kv_cache} KV cache")
+    print("  " + quality_line(m.weights, m.kv_cache))
     if be.why_eager:
         print(f"  eager kept: {be.why_eager}")
     for kind, d in m.drafters.items():

@@ -1,5 +1,5 @@
 """The real default target: tokenizer, logits vs transformers, and the CLI end to end."""
-import itertools
+import importlib.util
 import json
 import subprocess
 import sys
@@ -105,6 +105,27 @@ def test_auto_weights_measure_int4_only_where_it_gives_back_the_checkpoint(defau
     assert choose_weights(tiny.model, "int4")["exact"] is False
 
 
+def test_exact_weights_keep_the_checkpoints_outputs_and_fidelity_says_what_w4a8_costs(default_target, tiny):
+    """--weights exact measures only options computing the checkpoint's own outputs (no w4a8,
+    no AMX tiles); w4a8 serves the checkpoint's weights on int8-rounded activations, which
+    fidelity() measures against float32: the top-1 tokens mostly agree, yet not all, while the
+    same model against itself agrees everywhere at the same perplexity."""
+    from angelspec.runtime.backend import choose_weights, fidelity
+
+    w = choose_weights(default_target.model, "exact")
+    assert w["dtype"] in ("float32", "int4") and w["own_outputs"] and "w4a8" not in w["why"]
+    assert w["why"].startswith("exact: ")
+    a = choose_weights(default_target.model, "w4a8")
+    assert a["exact"] and not a["own_outputs"]  # its weights, not its outputs
+    assert not choose_weights(tiny.model, "exact")["amx_tiles"]
+    seqs = [default_target.encode_chat(p) for p in ("Name three colours.", "def add(a, b):")]
+    same = fidelity(default_target.model, default_target.model, seqs)
+    assert same["top1_agreement"] == 1.0 and same["perplexity_served"] == same["perplexity_float32"]
+    f = fidelity(default_target.model, default_target.model.served_as("w4a8"), seqs)
+    assert f["tokens"] == sum(len(x) - 1 for x in seqs) and 0.9 <= f["top1_agreement"] <= 1.0
+    assert abs(f["perplexity_served"] / f["perplexity_float32"] - 1) < 0.05
+
+
 def test_a_throughput_job_takes_the_weights_fastest_under_load(default_target, monkeypatch):
     """The same measurements, ranked at batch 1 for an engine and at the load of a throughput
     job (the data step: 64 in flight): on AMX CPUs w4a8 wins the first and bf16 the second. Step
@@ -129,23 +150,18 @@ def test_a_throughput_job_takes_the_weights_fastest_under_load(default_target, m
     assert "a step of 64 requests" in job["why"] and "int4 the fastest under load, chosen for throughput" in job["why"]
 
 
-def test_llamacpp_reference_runs_the_gguf_or_says_how_to_get_it(default_target, tiny, tmp_path,
-                                                                monkeypatch):
-    """With llama-cpp-python installed (make llamacpp) bench times it on the GGUF and reports how
-    far its greedy tokens follow ours; a target not converted from a GGUF is written as one in
-    its engine's weight format (bench/gguf.py; llama.cpp on the default target written so gives
-    the very tokens of its own GGUF); without llama-cpp-python the error says what to do."""
+def test_gguf_written_for_any_target_in_its_engines_weight_format(default_target, tiny, tmp_path, monkeypatch):
+    """A target not converted from a GGUF is written as one for the peers in its engine's weight
+    format (bench/gguf.py), once; an o_proj bias no llama.cpp architecture covers is refused."""
     import dataclasses
 
     from gguf import GGMLQuantizationType as Q
     from gguf import GGUFReader
 
     import angelspec.bench.speed as speed
-    from angelspec.bench.gguf import write_gguf
-    from angelspec.bench.speed import agreement, bench, gguf_of, load_llamacpp
+    from angelspec.bench.speed import agreement, gguf_of
 
     assert agreement([1, 2, 3, 4], [1, 2, 9]) == 0.5 and agreement([5], [5]) == 1.0
-    prompts = [{"prompt": "What is 2 + 2?", "domain": "math"}]
     assert gguf_of(default_target).name == GGUF_FILE
     monkeypatch.setattr(speed, "GGUF_DIR", tmp_path)
     cfg = tiny.config
@@ -160,23 +176,53 @@ def test_llamacpp_reference_runs_the_gguf_or_says_how_to_get_it(default_target, 
         assert types["blk.0.attn_norm.weight"] == Q.F32
         assert int(r.fields["llama.block_count"].parts[-1][0]) == cfg.num_layers
     with pytest.raises(ValueError, match="convert_hf_to_gguf"):
-        gguf_of(tiny_target(tmp_path / "qwen2", arch="qwen2"))
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        with pytest.raises(ValueError, match="make llamacpp"):
-            bench(default_target, prompts, ["ar", "llamacpp"], max_tokens=4)
-        return
-    res = bench(default_target, prompts, ["ar", "llamacpp"], max_tokens=16)
-    row = next(r for r in res["results"] if r["drafter"] == "llamacpp" and r["domain"] == "all")
-    assert row["tokens_per_s"] > 0 and row["lossless"] is None and 0 <= row["token_agreement"] <= 1
-    assert row["same_as_ar"] in (0, 1) and row["mean_accept_len"] is None
-    ids = default_target.encode_chat("Write a Python function that reverses a string.")
-    greedy = []
-    for f in (gguf_folder() / GGUF_FILE, write_gguf(default_target, "int4", tmp_path / "ours.gguf")):
-        m = load_llamacpp(f, n_ctx=512, n_threads=2)
-        greedy.append(list(itertools.islice(m.generate(ids, top_k=1, temp=0.0, repeat_penalty=1.0), 24)))
-    assert greedy[0] == greedy[1]
+        gguf_of(tiny_target(tmp_path / "biased", attention_bias=True))
+
+
+@pytest.mark.parametrize("peer", ["llamacpp", "openvino"])
+def test_peers_run_the_gguf_in_their_own_runtime_or_say_how_to_get_them(peer, default_target, tmp_path):
+    """llama.cpp's own llama-server (make llamacpp) and OpenVINO GenAI (make openvino) decode the
+    same chat-encoded ids greedily, with and without their speculation, which bench checks
+    against the peer's own greedy output; llama.cpp's decode timings and llama-bench's figure come
+    beside its end-to-end one. The GGUF bench writes for the default target gives the very tokens
+    of the one it was converted from. Without the peer, the error says how to get it."""
+    from angelspec.bench.gguf import write_gguf
+    from angelspec.bench.peers import LLAMACPP_BIN, LlamaServer, OpenVinoRunner
+    from angelspec.bench.speed import bench, format_table
+
+    prompts = [{"prompt": "What is 2 + 2?", "domain": "math"},
+               {"prompt": "Write a Python function that reverses a string.", "domain": "code"}]
+    missing = not (LLAMACPP_BIN / "llama-server").exists() if peer == "llamacpp" else \
+        importlib.util.find_spec("openvino_genai") is None
+    if missing:
+        with pytest.raises(ValueError, match=f"make {peer}"):
+            bench(default_target, prompts, ["ar", peer], max_tokens=4)
+        pytest.skip(f"{peer} not installed here (`make {peer}`): its error was checked")
+    spec = {"llamacpp": "llamacpp-ngram", "openvino": "openvino-lookup"}[peer]
+    res = bench(default_target, prompts, ["ar", peer, spec], max_tokens=24)
+    rows = {r["drafter"]: r for r in res["results"] if r["domain"] == "all"}
+    for name in (peer, spec):
+        assert rows[name]["tokens_per_s"] > 0 and rows[name]["lossless"] is None
+        assert 0 <= rows[name]["token_agreement"] <= 1 and rows[name]["mean_accept_len"] is None
+    assert 0 <= rows[spec]["same_as_own_greedy"] <= len(prompts)
+    table = format_table(res)
+    assert f"identical to {peer}'s own greedy output" in table
+    ids = default_target.encode_chat(prompts[1]["prompt"])
+    ours = write_gguf(default_target, "int4", tmp_path / "ours.gguf")
+    if peer == "llamacpp":
+        assert rows[peer]["decode_tokens_per_s"] > 0 and res["config"]["llama_bench_tg"]["tokens_per_s"] > 0
+        assert "llama-bench tg24" in table
+        greedy = []
+        for f in (gguf_folder() / GGUF_FILE, ours):
+            server = LlamaServer(f, threads=2, slots=1, ctx=512, log=tmp_path / f"{f.stem}.log")
+            try:
+                greedy.append(server.complete(ids, 24, ignore_eos=False)[0])
+            finally:
+                server.close()
+    else:
+        greedy = [OpenVinoRunner(f, threads=2, lookup=False).generate(ids, 24, False)
+                  for f in (gguf_folder() / GGUF_FILE, ours)]
+    assert len(greedy[0]) > 0 and greedy[0] == greedy[1]
 
 
 def test_gguf_rotary_rows_carry_rotate_half_rope_to_the_interleaved_one():

@@ -108,6 +108,9 @@ def test_engine_with_packed_or_quantized_weights_serves_losslessly(parts, tmp_pa
         assert row["tokens_per_s"] > 0 and row["lossless"] is None and row["mean_accept_len"] is None
         assert 0 <= row["same_as_ar"] <= row["n_prompts"] and res["config"]["weights"] == "bfloat16"
         assert "float32's greedy tokens:" in format_table(res)
+        # bench measures what the engine serves: its own D-cut setting unless told, named in the header
+        served = "on" if read_manifest(tmp_path / "engine").defaults.dcut else "off"
+        assert res["config"]["dcut"] == served and f"D-cut {served}" in format_table(res)
 
 
 def test_engine_serves_every_drafter_losslessly(parts):

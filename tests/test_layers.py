@@ -15,7 +15,8 @@ LAYERS = [
     "angelspec.builders | angelspec.training | angelspec.serving | model_repo",
     "angelspec.runtime",
     "angelspec.drafters",
-    "angelspec.checkpoint : angelspec.default_target : angelspec.sampling : angelspec.prompts : angelspec.text",
+    "angelspec.checkpoint : angelspec.default_target : angelspec.synthetic_target : angelspec.sampling"
+    " : angelspec.prompts : angelspec.text",
     "angelspec.model",
     "angelspec.pages",
     "angelspec.plugins",

@@ -26,7 +26,7 @@ def use_backend(model: Llama, backend: str) -> None:
     model.compiled = None if backend == "eager" else torch.compile(model.eager_forward, dynamic=True)
 
 
-WEIGHTS = ("auto", "float32", "bfloat16") + SCHEMES
+WEIGHTS = ("auto", "exact", "float32", "bfloat16") + SCHEMES
 LOADED = 16  # requests in flight for an engine's second measurement (choose_weights)
 
 
@@ -63,7 +63,10 @@ def decode_ms(model: Llama, context: int = 256, reps: int = 9, requests: int = 1
 
 
 def choose_weights(model, asked: str = "auto", loaded: int = 0) -> dict:
-    """How the engine's matmul weights serve. `auto`: the fastest of the options that keep the
+    """How the engine's matmul weights serve. `exact`: as `auto`, among only the options that
+    compute the checkpoint's own outputs (`own_outputs`: float32, bf16 values without AMX tiles,
+    int8 / int4 that give its weights back; never w8a8 / w4a8 or AMX tiles, which round the
+    activations). `auto`: the fastest of the options that keep the
     model, measured here (a decoding step each, in turns): float32; bfloat16 when this CPU has
     AMX-BF16 tiles (a float32 checkpoint's weights are then rounded to bf16, at most 2^-9
     relative, as any bf16 serving stack does), and without them when the checkpoint's weights
@@ -81,9 +84,11 @@ def choose_weights(model, asked: str = "auto", loaded: int = 0) -> dict:
         raise ValueError(f"unknown weights {asked!r} ({', '.join(WEIGHTS)})")
     amx, bf16_exact = amx_available(), model.bf16_exact()
     given_back = set()  # int8 / int4 that dequantize to exactly the checkpoint's weights
-    if asked == "auto":
-        dtype = "bfloat16" if amx else "float32"
-        why = "AMX-BF16 tiles on this CPU" if amx else "no AMX-BF16 tiles on this CPU"
+    if asked in ("auto", "exact"):
+        own = asked == "exact"  # the checkpoint's own outputs only
+        dtype = "bfloat16" if amx and not own else "float32"
+        why = ("exact: only options that compute the checkpoint's own outputs" if own else
+               "AMX-BF16 tiles on this CPU" if amx else "no AMX-BF16 tiles on this CPU")
         models = {dtype: model if dtype == "float32" else model.served_as(dtype)}
         if not amx and bf16_exact:
             models["bfloat16"] = model.served_as("bfloat16")
@@ -94,8 +99,10 @@ def choose_weights(model, asked: str = "auto", loaded: int = 0) -> dict:
             q = model.served_as(scheme)
             if model.gives_back(q):
                 twin = WITH_INT8_ACTIVATIONS[scheme]
-                models[scheme], models[twin] = q, model.served_as(twin)
+                models[scheme] = q
                 given_back |= {scheme, twin}
+                if not own:
+                    models[twin] = model.served_as(twin)
         if len(models) > 1:
             times = {w: [] for w in models}
             for _ in range(3):  # in turns: a slow phase of a noisy machine hits all alike
@@ -137,6 +144,31 @@ def choose_weights(model, asked: str = "auto", loaded: int = 0) -> dict:
                 ("; activations float32 (weight-only)" if dtype in WITH_INT8_ACTIVATIONS else
                  "; each matmul's input rounded to int8 in blocks of 32, integer dot products"))
     exact = dtype == "float32" or (dtype == "bfloat16" and bf16_exact) or dtype in given_back
+    rounds = dtype in WITH_INT8_ACTIVATIONS.values() or (dtype == "bfloat16" and amx)
     return {"dtype": dtype, "asked": asked, "why": why, "checkpoint_is_bf16": bf16_exact, "exact": exact,
-            "amx_tiles": dtype == "bfloat16" and amx}
+            "own_outputs": exact and not rounds, "amx_tiles": dtype == "bfloat16" and amx}
+
+
+@torch.inference_mode()
+def fidelity(reference: Llama, served: Llama, sequences: list[list[int]]) -> dict:
+    """What serving `served` instead of the float32 `reference` costs in quality, teacher-forced
+    over `sequences` (text neither was tuned on): how often their top-1 next tokens agree, and
+    each one's perplexity of the sequences' own next tokens."""
+    agree = total = 0
+    nll = {"reference": 0.0, "served": 0.0}
+    for seq in sequences:
+        x = torch.tensor(seq)
+        rows = torch.arange(len(seq) - 1)
+        top, gold = [], x[1:]
+        for name, m in (("reference", reference), ("served", served)):
+            logits, _ = m.forward(x, m.batch([Segment(0, 0, len(seq))]), m.new_cache(1, len(seq) + 1),
+                                  logit_rows=rows)
+            logp = torch.log_softmax(logits.float(), -1)
+            nll[name] -= float(logp.gather(1, gold[:, None]).sum())
+            top.append(logits.argmax(-1))
+        agree += int((top[0] == top[1]).sum())
+        total += len(seq) - 1
+    ppl = {k: round(float(torch.exp(torch.tensor(v / max(total, 1)))), 3) for k, v in nll.items()}
+    return {"tokens": total, "top1_agreement": round(agree / max(total, 1), 4),
+            "perplexity_float32": ppl["reference"], "perplexity_served": ppl["served"]}
 

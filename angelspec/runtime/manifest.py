@@ -80,6 +80,9 @@ class WeightsChoice:
     # still round the activations entering each matmul)
     amx_tiles: bool | None = None  # bf16 multiplied on AMX tiles (None: built before the key,
     # when bf16 engines were built on AMX machines only)
+    own_outputs: bool | None = None  # exact, and the activations float32 too: the checkpoint's
+    # own outputs (None: built before the key)
+    fidelity: dict | None = None  # against float32 where not own_outputs (runtime.backend.fidelity)
 
 
 @dataclass
