@@ -55,7 +55,8 @@ class LlamaServer:
         if "amx_int8" in cpu_flags():  # its AMX-INT8 matmul crashed such a CPU here (llama.cpp issue 20824)
             cmd.append("--no-repack")
         self.cmd = " ".join(cmd)
-        self.proc = subprocess.Popen(cmd, stdout=self.log.open("w"), stderr=subprocess.STDOUT)
+        with self.log.open("w") as log_file:  # the server keeps its own copy of the descriptor
+            self.proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -1,4 +1,4 @@
-"""`angelspec build`: target + drafts -> `engines/<name>/` (ARCHITECTURE.md "Engine").
+"""`angelspec build`: target + drafts -> `engines/<name>/` (docs/architecture.md, docs/engines.md).
 
 Steps, each shown on a progress bar: check that every draft belongs to the target (hidden size,
 vocabulary, tokenizer hash, layer ids), copy the parts, train the `auto` router's domain
