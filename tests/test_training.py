@@ -145,7 +145,8 @@ def test_a_time_budget_ends_training_with_an_evaluation_and_the_curve_shows_it(t
                outside_data=str(tmp_path / "outside"))
     result = train(r, target, progress=False, restart=True)
     rows = log_rows(r.out)
-    assert 1 < result["step"] and rows[-1]["seconds"] >= 0.02 * 60 > rows[-2]["seconds"]
+    # the log rounds seconds to 0.01 s: a step just under the budget may read as the budget
+    assert 1 < result["step"] and rows[-1]["seconds"] >= 0.02 * 60 >= rows[-2]["seconds"]
     assert [x["tokens"] for x in rows] == sorted(x["tokens"] for x in rows) and rows[0]["tokens"] > 0
     curve = read_curve(r.out)
     assert curve[-1]["step"] == result["step"] and all(x["step"] % 5 == 0 for x in curve[:-1])
