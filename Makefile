@@ -14,7 +14,7 @@ DATA   ?= build/data$(SUFFIX)
 DRAFTS ?= build/drafts$(SUFFIX)
 ENGINE ?= engines/default$(SUFFIX)
 
-.PHONY: setup target demo generate bench data drafts bench-drafts engines bench-engine serve stop perf soak probe test test-fast lint startup clean help export-env export-tensorrt verify-export tensorrt-engines llamacpp openvino
+.PHONY: setup target demo demo-engine aiperf openai-bench generate bench data drafts bench-drafts engines bench-engine serve stop perf soak probe test test-fast lint startup clean help export-env export-tensorrt verify-export tensorrt-engines llamacpp openvino
 
 help:
 	@echo "make demo    the main job: an engine of the default target served by tritonserver, a streamed request, a perf_analyzer sweep"
@@ -28,8 +28,10 @@ help:
 	@echo "make engines build $(ENGINE): target + drafts, router, backend, draft lengths, D-cut profile (after make drafts)"
 	@echo "make bench-engine  the engine at batch 1 (auto routing) and 16 in flight (D-cut on/off)"
 	@echo "make serve   start tritonserver with $(ENGINE) on 127.0.0.1 (HTTP 8000, gRPC 8001, metrics 8002)"
-	@echo "make stop    stop it"
+	@echo "make stop    stop it (and its OpenAI API on port $(OPENAI_PORT))"
 	@echo "make perf    perf_analyzer sweep of the served ensemble (auto vs none, D-cut on/off) -> build/perf"
+	@echo "make aiperf  NVIDIA AIPerf against the OpenAI API of a fresh server (demo engine, or ENGINE=): concurrency 1, 4, 8 -> build/aiperf"
+	@echo "make openai-bench  the OpenAI API against Triton's own gRPC at 8 in flight: what the API costs"
 	@echo "make soak    32 streaming gRPC clients for 30 s against a fresh server: errors, leaks, memory"
 	@echo "make probe   the hardening probe (docs/probe.md) against a fresh server with $(ENGINE)"
 	@echo "make llamacpp   llama.cpp's llama-server and llama-bench built from source: bench's llamacpp, llamacpp-ngram peers"
@@ -58,24 +60,31 @@ $(TARGET)/model.safetensors: | setup
 HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
+OPENAI_PORT ?= 9000
 # the main job on the default target: engine -> tritonserver -> a streamed tritonclient request ->
 # a short perf_analyzer sweep; trained drafts are used when `make drafts` has made them
 DEMO_ENGINE ?= engines/demo
-DEMO_PORTS  := --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
+DEMO_PORTS  := --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) \
+               --openai-port $(OPENAI_PORT)
 HAVE_DRAFTS := $(wildcard $(DRAFTS)/mtp/model.safetensors $(DRAFTS)/dfly/model.safetensors)
 DEMO_PARTS  := $(if $(HAVE_DRAFTS),--drafts $(DRAFTS) --data $(DATA),--drafts build/nodrafts --data '')
 DEMO_DRAFT  := $(if $(HAVE_DRAFTS),auto,ngram)
 DEMO_PROMPT := Rename the variable x to total and return the full code:\n\ndef add_all(items):\n    x = 0\n    for item in items:\n        x += item\n    return x
-demo: target
-	@echo "demo: $(if $(HAVE_DRAFTS),an engine with the trained drafts in $(DRAFTS) (auto routing),no trained drafts in $(DRAFTS) (make drafts trains them, ~1 h): the engine drafts with ngram only)"
-	mkdir -p build/nodrafts
-	$(VENV)/bin/angelspec build --target $(TARGET) $(DEMO_PARTS) --backends eager --out $(DEMO_ENGINE)
+demo: demo-engine
 	$(VENV)/bin/angelspec serve --engine $(DEMO_ENGINE) $(DEMO_PORTS)
 	$(VENV)/bin/angelspec client --grpc --stream --url 127.0.0.1:$(GRPC_PORT) --max-tokens 96 \
 	  --drafter $(DEMO_DRAFT) "$$(printf '$(DEMO_PROMPT)')" || { $(VENV)/bin/angelspec stop; exit 1; }
+	curl -sSf http://127.0.0.1:$(OPENAI_PORT)/v1/chat/completions -H 'Content-Type: application/json' \
+	  -d '{"model": "$(notdir $(DEMO_ENGINE))", "messages": [{"role": "user", "content": "Name three primary colours."}], "max_tokens": 48, "temperature": 0}' \
+	  | $(PY) -m json.tool || { $(VENV)/bin/angelspec stop; exit 1; }
 	$(VENV)/bin/angelspec stop
 	$(VENV)/bin/angelspec perf --engine $(DEMO_ENGINE) --prompts angelspec/data/prompts.jsonl --limit 1 \
 	  --drafters $(DEMO_DRAFT),none --dcut on --concurrency 1,4 --max-tokens 64 --out build/perf-demo
+
+demo-engine: target
+	@echo "demo: $(if $(HAVE_DRAFTS),an engine with the trained drafts in $(DRAFTS) (auto routing),no trained drafts in $(DRAFTS) (make drafts trains them, ~1 h): the engine drafts with ngram only)"
+	mkdir -p build/nodrafts
+	$(VENV)/bin/angelspec build --target $(TARGET) $(DEMO_PARTS) --backends eager --out $(DEMO_ENGINE)
 
 bench: target
 	mkdir -p build
@@ -118,13 +127,29 @@ bench-engine:
 
 serve: setup
 	$(VENV)/bin/angelspec serve --engine $(ENGINE) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \
-	  --metrics-port $(METRICS_PORT)
+	  --metrics-port $(METRICS_PORT) --openai-port $(OPENAI_PORT)
 
 stop:
 	$(VENV)/bin/angelspec stop
 
 perf: setup
 	$(VENV)/bin/angelspec perf --engine $(ENGINE) --prompts $(DATA)/heldout.jsonl --out build/perf$(SUFFIX)
+
+# AIPerf (its own venv: ~1.2 GB, pinned dependencies of its own) against the OpenAI API of a
+# fresh server with the demo engine, or ENGINE= when given
+AIPERF_VENV ?= build/aiperf-venv
+AIPERF_ENGINE = $(if $(filter command line environment,$(origin ENGINE)),$(ENGINE),$(DEMO_ENGINE))
+AIPERF_ARGS ?= --concurrency 1,4,8 --drafters ar,engine --prompts bundled
+$(AIPERF_VENV)/bin/aiperf: requirements/aiperf.txt
+	$(PYTHON) -m venv $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/python -m pip install -q -r requirements/aiperf.txt
+aiperf: $(AIPERF_VENV)/bin/aiperf | setup
+	test -f $(AIPERF_ENGINE)/engine.json || $(MAKE) demo-engine
+	$(VENV)/bin/angelspec aiperf --engine $(AIPERF_ENGINE) --aiperf $(AIPERF_VENV)/bin/aiperf $(AIPERF_ARGS)
+
+openai-bench: setup
+	test -f $(AIPERF_ENGINE)/engine.json || $(MAKE) demo-engine
+	$(VENV)/bin/angelspec openai-bench --engine $(AIPERF_ENGINE) --concurrency 8 --rounds 3
 
 soak: setup
 	$(VENV)/bin/angelspec soak --engine $(ENGINE) --prompts $(DATA)/heldout.jsonl

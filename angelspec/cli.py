@@ -50,6 +50,12 @@ STAGES = {
     "perf": ("angelspec.bench.perf",
              "load-test the served ensemble with perf_analyzer (gRPC streaming, a concurrency "
              "sweep, D-cut on/off): CSV, PNG, speedup table", ""),
+    "aiperf": ("angelspec.bench.aiperf",
+               "NVIDIA AIPerf against the OpenAI frontend of a fresh server: TTFT, inter-token "
+               "latency, output tokens/s at each concurrency, ar and the engine's drafter", ""),
+    "openai-bench": ("angelspec.bench.openai_bench",
+                     "what the OpenAI frontend costs: output tokens/s of the same prompts at N in "
+                     "flight through Triton's own gRPC and through the frontend, alternated", ""),
     "soak": ("angelspec.bench.soak",
              "many streaming gRPC clients against a fresh server for a while: errors, leaked "
              "slots, memory", ""),
@@ -198,6 +204,15 @@ def cmd_serve(args) -> int:
     print(f"tritonserver {proc.pid} ready: HTTP 127.0.0.1:{args.http_port}, gRPC "
           f"127.0.0.1:{args.grpc_port}, metrics http://127.0.0.1:{args.metrics_port}/metrics "
           f"(model repository {repo}; log {args.server}/server.log; `angelspec stop` stops it)")
+    if args.openai_port:
+        name = args.model_name or json.loads((pathlib.Path(args.engine) / "engine.json").read_text())["name"]
+        try:
+            api = triton.start_openai(args.grpc_port, args.openai_port, [name], args.server, args.openai_host)
+        except BaseException:
+            triton.stop(args.server)
+            raise
+        print(f"OpenAI API {api.pid} ready: http://{args.openai_host}:{args.openai_port}/v1 (model "
+              f"{name!r}; log {args.server}/openai.log)")
     return 0
 
 
@@ -351,6 +366,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                     help="seconds a request may run (a client's shorter request timeout wins)")
     sv.add_argument("--dcut", choices=["engine", "on", "off"], default="engine",
                     help="D-cut: the engine's setting, on, or off (fixed draft lengths)")
+    sv.add_argument("--openai-port", type=int, default=9000,
+                    help="port of the OpenAI-compatible API (/v1/chat/completions, /v1/completions, "
+                         "/v1/models, /health) in front of tritonserver; 0: none")
+    sv.add_argument("--openai-host", default="127.0.0.1",
+                    help="address the OpenAI API listens on (0.0.0.0: every interface)")
+    sv.add_argument("--model-name", default=None,
+                    help="the model name OpenAI clients pass (default: the engine's name)")
     sv.set_defaults(fn=cmd_serve)
 
     st = sub.add_parser("stop", help="stop the tritonserver `angelspec serve` started")

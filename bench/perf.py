@@ -300,11 +300,7 @@ def sweep(engine_dir: str, prompts: list[str], drafters: list[str], dcuts: list[
                     bar.update(1)
             del engine
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            triton.shutdown(proc)
     bar.close()
     with (out / "perf.csv").open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=FIELDS)

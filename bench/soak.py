@@ -106,8 +106,7 @@ def run(args) -> int:
         r = soak(ports["grpc"], ports["metrics"], proc.pid, prompts, args.clients, args.seconds,
                  args.max_tokens, args.drafter)
     finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+        triton.shutdown(proc)
     growth = r["rss_end_mb"] / r["rss_mid_mb"] - 1
     print(f"{r['clients']} clients for {r['seconds']:.0f} s: {r['requests']} requests finished, "
           f"{len(r['errors'])} errors, {r['in_flight_after']:.0f} requests in flight afterwards; "

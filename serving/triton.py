@@ -64,35 +64,55 @@ def start(repo: str | pathlib.Path, server: str | pathlib.Path = "build/triton",
            "--http-address", "127.0.0.1", "--grpc-address", "127.0.0.1",
            "--http-port", str(http_port), "--grpc-port", str(grpc_port),
            "--metrics-port", str(metrics_port), "--allow-metrics", "true", "--log-verbose", "0"]
-    f = open(log, "w")
-    proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=environment(server),
-                            start_new_session=True)
-    url = f"http://127.0.0.1:{http_port}/v2/health/ready"
+    proc = _launch(cmd, log, environment(server), f"http://127.0.0.1:{http_port}/v2/health/ready",
+                   "tritonserver", timeout)
+    if record:
+        (server / "server.json").write_text(json.dumps(
+            {"pid": proc.pid, "http": http_port, "grpc": grpc_port, "metrics": metrics_port}))
+    return proc
+
+
+def _launch(cmd: list[str], log: pathlib.Path, env: dict | None, ready_url: str, what: str,
+            timeout: float) -> subprocess.Popen:
+    """Start `cmd` in a session of its own, its output in `log`, and wait until `ready_url`
+    answers 200; fail with the log's tail if it exits or is not ready within `timeout` s."""
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"tritonserver exited ({proc.returncode}); log {log}:\n"
-                               + log.read_text()[-4000:])
+            raise RuntimeError(f"{what} exited ({proc.returncode}); log {log}:\n" + log.read_text()[-4000:])
         try:
-            if urllib.request.urlopen(url, timeout=2).status == 200:
-                if record:
-                    (server / "server.json").write_text(json.dumps(
-                        {"pid": proc.pid, "http": http_port, "grpc": grpc_port, "metrics": metrics_port}))
+            if urllib.request.urlopen(ready_url, timeout=2).status == 200:
                 return proc
         except OSError:
             pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"tritonserver not ready after {timeout:.0f} s; log {log}:\n" + log.read_text()[-4000:])
+        time.sleep(0.2)
+    _end(proc.pid)
+    raise RuntimeError(f"{what} not ready after {timeout:.0f} s; log {log}:\n" + log.read_text()[-4000:])
 
 
-def stop(server: str | pathlib.Path = "build/triton") -> bool:
-    """Stop the server `start` recorded; True if one was running."""
+def start_openai(grpc_port: int, port: int, models: list[str], server: str | pathlib.Path = "build/triton",
+                 host: str = "127.0.0.1", log: str | pathlib.Path | None = None, timeout: float = 60.0,
+                 record: bool = True, request_timeout: float = 0.0) -> subprocess.Popen:
+    """Start the OpenAI-compatible frontend (angelspec.serving.openai_api) in front of the
+    tritonserver on `grpc_port` and wait until its /health answers 200. `record`: note it in
+    <server>/server.json beside the server, for `stop`. `request_timeout`: seconds before a
+    request ends with 504 (0: the server's own limit)."""
+    log = pathlib.Path(log or pathlib.Path(server) / "openai.log")
+    cmd = [sys.executable, "-m", "angelspec.serving.openai_api", "--grpc-url", f"127.0.0.1:{grpc_port}",
+           "--host", host, "--port", str(port), "--timeout", str(request_timeout)]
+    cmd += [a for m in models for a in ("--model", m)]
+    proc = _launch(cmd, log, None, f"http://127.0.0.1:{port}/health", "the OpenAI frontend", timeout)
     info = pathlib.Path(server) / "server.json"
-    if not info.exists():
-        return False
-    pid = json.loads(info.read_text())["pid"]
-    info.unlink()
+    if record and info.exists():
+        info.write_text(json.dumps({**json.loads(info.read_text()), "openai_pid": proc.pid, "openai": port}))
+    return proc
+
+
+def _end(pid: int) -> bool:
+    """SIGTERM the process group of `pid`; once `pid` has exited (or after 10 s) SIGKILL what is
+    left of the group (a backend stub can outlive its server); False if it was gone."""
     try:
         os.killpg(pid, signal.SIGTERM)
     except ProcessLookupError:
@@ -101,10 +121,42 @@ def stop(server: str | pathlib.Path = "build/triton") -> bool:
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
-            return True
+            break
         time.sleep(0.1)
-    os.killpg(pid, signal.SIGKILL)
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
     return True
+
+
+def shutdown(proc: subprocess.Popen | None, timeout: float = 60.0) -> None:
+    """End a process `start` or `start_openai` started (record=False) and everything in its
+    process group: tritonserver's Python backend stubs can outlive it, still decoding."""
+    if proc is None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def stop(server: str | pathlib.Path = "build/triton") -> bool:
+    """Stop the server `start` recorded, and its OpenAI frontend first; True if one was running."""
+    info = pathlib.Path(server) / "server.json"
+    if not info.exists():
+        return False
+    rec = json.loads(info.read_text())
+    info.unlink()
+    if rec.get("openai_pid"):
+        _end(rec["openai_pid"])
+    return _end(rec["pid"])
 
 
 def free_port() -> int:

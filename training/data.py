@@ -43,10 +43,10 @@ from angelspec.checkpoint import Target
 from angelspec.default_target import load_target_or_default
 from angelspec.drafters import Drafter, make_drafter
 from angelspec.drafters.target_layers import training_layers
+from angelspec.params import SamplingParams
 from angelspec.prompts import DOMAINS, load_prompts, read_jsonl
 from angelspec.runtime.backend import WEIGHTS, choose_weights
 from angelspec.runtime.engine import Engine, Request, settle_heap
-from angelspec.sampling import SamplingParams
 from angelspec.training.sources import HELDOUT_EVERY, held_out
 from angelspec.training.sources import prompts as draw_prompts
 

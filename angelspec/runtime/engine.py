@@ -16,6 +16,7 @@ from angelspec import DEFAULT_MAX_LEN
 from angelspec.checkpoint import Target
 from angelspec.drafters import Drafter, canonical, make_drafter, parse_spec, parts
 from angelspec.model import Segment
+from angelspec.params import SamplingParams
 from angelspec.plugins import SKINNY_MAX_ROWS
 from angelspec.plugins.verify import sample_inverse_cdf
 from angelspec.runtime.calibration import Calibration
@@ -28,7 +29,7 @@ from angelspec.runtime.router import Router, route_cost
 from angelspec.runtime.stats import EngineStats, Stats
 from angelspec.runtime.step import speculative_step
 from angelspec.runtime.threads import ThreadGovernor
-from angelspec.sampling import SamplingParams, probs_from_logits
+from angelspec.sampling import probs_from_logits
 
 __all__ = ["DrafterView", "Engine", "Event", "Request", "RequestState", "Result", "Stats", "settle_heap"]
 

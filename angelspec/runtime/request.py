@@ -6,9 +6,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from angelspec.params import SamplingParams
 from angelspec.runtime.router import RouteState
 from angelspec.runtime.stats import Stats
-from angelspec.sampling import SamplingParams, position_uniforms
+from angelspec.sampling import position_uniforms
 
 
 @dataclass

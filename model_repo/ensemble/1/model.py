@@ -28,14 +28,13 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from angelspec.runtime import Request, SamplingParams, load_engine
-from angelspec.text import decode_whole, encode_chat, encode_stop_words
+from angelspec.text import decode_whole, encode_chat, encode_messages, encode_stop_words
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # the inputs of config.pbtxt: Triton's HTTP generate endpoint turns any other JSON field into a
 # request parameter, which is refused by name
-FIELDS = {"text_input", "max_tokens", "stream", "temperature", "top_p", "top_k", "seed", "end_id",
-          "ignore_eos", "stop_words", "drafter"}
-CANCEL_CHECK_S = 0.01  # how often open requests are asked whether their client went away
+FIELDS = {"text_input", "messages", "apply_chat_template", "max_tokens", "stream", "temperature",
+          "top_p", "top_k", "seed", "end_id", "ignore_eos", "stop_words", "drafter"}
 
 
 def _error(message, code="INVALID_ARG"):
@@ -74,8 +73,9 @@ def _scalar(request, name, default):
 class Job:
     """One request in flight: its sender, streaming mode, deadline, and what is not sent yet."""
 
-    def __init__(self, sender, stream, deadline, limit):
+    def __init__(self, sender, stream, deadline, limit, prompt_tokens, drafter):
         self.sender, self.stream, self.deadline, self.limit = sender, stream, deadline, limit
+        self.prompt_tokens, self.drafter = prompt_tokens, drafter  # drafter: the one asked for
         self.held: list[int] = []  # committed tokens not sent yet (end inside a character)
         self.tokens: list[int] = []
 
@@ -95,7 +95,6 @@ class TritonPythonModel:
         self.lock = threading.Lock()
         self.next_id = 0
         self.running = True
-        self.checked = 0.0  # when open requests were last asked for cancellation
         self.metrics()
         # The worker thread does ALL the torch work, loading and warm-up included. Every thread
         # that runs an OpenMP parallel region keeps its own pool of threads, and once the pools
@@ -157,18 +156,26 @@ class TritonPythonModel:
         if unknown:
             raise ValueError(f"unknown field(s) {', '.join(unknown)[:200]}; the fields are "
                              + ", ".join(sorted(FIELDS)))
-        text = _scalar(request, "text_input", None)
-        if text is None:
-            raise ValueError("text_input is required")
-        if not text.strip():
+        text, messages = _scalar(request, "text_input", None), _scalar(request, "messages", None)
+        if (text is None) == (messages is None):
+            raise ValueError("give text_input (a prompt) or messages (a JSON list of chat turns), "
+                             "one of them")
+        if messages is not None:  # a conversation: always through the chat template
+            try:
+                messages = json.loads(messages)
+            except ValueError:
+                raise ValueError("messages is not JSON: a list of {role, content} turns") from None
+            ids = encode_messages(self.tok, messages)
+        elif not text.strip():
             raise ValueError("text_input is empty: give some text to respond to")
-        ids = encode_chat(self.tok, text)
+        else:
+            ids = encode_chat(self.tok, text, chat=bool(_scalar(request, "apply_chat_template", True)))
+        room = self.engine.max_len - len(ids)
         max_tokens = _scalar(request, "max_tokens", None)
-        if max_tokens is None:
-            raise ValueError("max_tokens is required")
+        if max_tokens is None:  # as vLLM and the OpenAI API: the room left in the context
+            max_tokens = max(room, 1)
         if max_tokens <= 0:
             raise ValueError(f"max_tokens must be a positive integer, got {max_tokens}")
-        room = self.engine.max_len - len(ids)
         if max_tokens > room > 0:
             raise ValueError(f"max_tokens {max_tokens} exceeds the room left in the context: "
                              f"{len(ids)} prompt tokens of {self.engine.max_len}, at most {room}")
@@ -206,7 +213,8 @@ class TritonPythonModel:
                 rid = self.next_id
             asked = request.timeout() / 1e6  # the client's request timeout (us); 0 = none
             limit = min(self.timeout, asked) if asked > 0 else self.timeout
-            self.inbox.put((rid, req, Job(sender, stream, time.time() + limit, limit)))
+            job = Job(sender, stream, time.time() + limit, limit, len(req.prompt_ids), req.drafter)
+            self.inbox.put((rid, req, job))
         return None
 
     # -- the worker -----------------------------------------------------------------------------
@@ -251,14 +259,13 @@ class TritonPythonModel:
                 item = None
 
     def expire(self):
-        """End requests whose client went away (every CANCEL_CHECK_S: each question is a round
-        trip to the server process) or whose deadline passed."""
+        """End requests whose client went away or whose deadline passed. Every open request is
+        asked before every step, so a slot is free at most one step after Triton learns of the
+        cancellation. Each question is a round trip to the server process; asking every step
+        did not cost throughput against asking every 10 ms (docs/serving.md)."""
         now = time.time()
-        ask = now - self.checked >= CANCEL_CHECK_S
-        if ask:
-            self.checked = now
         for rid, job in list(self.jobs.items()):
-            if ask and job.sender.is_cancelled():
+            if job.sender.is_cancelled():
                 self.engine.cancel(rid)
                 del self.jobs[rid]
                 job.sender.send(flags=FINAL)  # the request is complete: Triton can release it
@@ -271,10 +278,18 @@ class TritonPythonModel:
         if job is not None:
             job.sender.send(_error(self.clean(message), code), flags=FINAL)
 
-    def response(self, text, stats, drafter):
+    def response(self, text, job, stats, drafter, finish_reason=""):
+        """One response: the text since the last one (or all of it, not streaming), the drafts'
+        counts so far, the prompt's and the generated tokens so far, the drafter (the one asked
+        for until the final response names the one used), finish_reason (stop, length) in the
+        final one."""
         drafted = stats.drafted if stats else 0
         accepted = stats.accepted if stats else 0
+        i32 = lambda v: np.array([v], dtype=np.int32)  # noqa: E731
         return pb_utils.InferenceResponse(output_tensors=[
+            pb_utils.Tensor("num_input_tokens", i32(job.prompt_tokens)),
+            pb_utils.Tensor("num_output_tokens", i32(len(job.tokens))),
+            pb_utils.Tensor("finish_reason", np.array([finish_reason.encode()], dtype=object)),
             pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=object)),
             pb_utils.Tensor("acceptance_rate", np.array([accepted / drafted if drafted else 0.0], dtype=np.float32)),
             pb_utils.Tensor("total_accepted_draft_tokens", np.array([accepted], dtype=np.int32)),
@@ -295,7 +310,7 @@ class TritonPythonModel:
             a.increment(ev.stats.accepted)
             ids = job.held + ev.tokens if job.stream else job.tokens
             text = self.tok.decode(ids, skip_special_tokens=True)
-            job.sender.send(self.response(text, ev.stats, ev.drafter), flags=FINAL)
+            job.sender.send(self.response(text, job, ev.stats, ev.drafter, ev.finish_reason), flags=FINAL)
             return
         if not job.stream or not ev.tokens:
             return
@@ -306,7 +321,7 @@ class TritonPythonModel:
         if text is None:
             return
         job.held = []
-        job.sender.send(self.response(text, ev.stats, None))
+        job.sender.send(self.response(text, job, ev.stats, job.drafter))
 
     def finalize(self):
         """Shutting down: stop the worker, then end every request still open with an error, so
