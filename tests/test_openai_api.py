@@ -135,6 +135,14 @@ def test_completions_take_the_raw_prompt_and_stop_strings_cut(api):
     streamed = "".join(ch.choices[0].text for ch in c.completions.create(**kw, stream=True, stop=stop))
     assert streamed == cut
 
+    async def both():
+        a = openai.AsyncOpenAI(base_url=api["url"] + "/v1", api_key="none", max_retries=0)
+        whole = await a.completions.create(**kw)
+        chunks = [ch.choices[0].text async for ch in await a.completions.create(**kw, stream=True)]
+        return whole.choices[0].text, "".join(chunks)
+
+    assert asyncio.run(both()) == (expect, expect)
+
 
 BAD = [  # (body changes, status, the field named)
     ({"max_tokens": 4294967300}, 400, "max_tokens"),
