@@ -28,8 +28,8 @@ from angelspec.serving.client import inputs
 from angelspec.serving.repo import write_repo
 
 # requests per point: at least TURNS per client. The first wave's prefills queue (every client
-# starts at once) and the last wave drains below the concurrency; with two turns those edges were
-# a fifth of a 16-client point, and its speedup moved by +-10% from run to run
+# starts at once) and the last wave drains below the concurrency; with fewer turns those edges
+# were a large part of a point, and its speedup moved from run to run
 TURNS = 4
 FIELDS = ["dcut", "drafter", "concurrency", "requests", "output_tok_s", "ttft_p50_ms",
           "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "step_ms", "in_process_step_ms", "accept_rate"]

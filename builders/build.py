@@ -79,9 +79,9 @@ def train_router(target, data: pathlib.Path) -> tuple[DomainClassifier, dict]:
 
 NGRAM_LENGTHS = (3, 5, 7)  # ngram draft lengths the build measures (the fastest is served)
 # a trained drafter takes a domain's route from ngram only when faster by more than this: three
-# prompts of 64 tokens a domain measure a drafter's speed within a few percent on a noisy machine
-# (rebuilt on one EPYC, chat went to dfly at 244 against ngram's 239 tokens/s, and served, `auto`
-# ran chat at 0.92x `ar` against ngram's 1.23x); the router's shadow scoring settles near ties
+# prompts of 64 tokens a domain measure a drafter's speed within a few percent on a noisy machine,
+# and a near tie once routed chat to a drafter that served it far slower than ngram
+# (docs/results/design-measurements.md); the router's shadow scoring settles near ties
 ROUTE_MARGIN = 0.05
 
 
@@ -89,8 +89,7 @@ def draft_lengths(kind: str, trained: int | None) -> tuple[int, ...]:
     """The draft lengths the build measures for a drafter kind (the fastest is served): ngram's
     NGRAM_LENGTHS; MTP's 1 up to the rollout it was trained for (each draft token is one more pass
     of its layer and lm_head, which D-cut cannot take back, and where a verified token costs much a
-    shorter chain wins: a build on a 2-core AVX-512 EPYC measured 334, 317 and 311 tokens/s at 1, 2
-    and 3); none for DFly and DFlash, whose one block forward drafts the whole block at once and
+    shorter chain wins); none for DFly and DFlash, whose one block forward drafts the whole block at once and
     whose drafts D-cut trims to what pays."""
     if kind == "ngram":
         return NGRAM_LENGTHS

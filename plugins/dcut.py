@@ -65,8 +65,8 @@ def dcut_choose(confidence: list[float], lengths: list[int], parents: list[int],
                 cost_n: list[float], cost_t: list[float], ratios: Sequence[float]) -> tuple[float, list[int]]:
     """dcut_select in Python numbers: (the ratio chosen, the indices of the tokens kept, best
     first). The engine calls it every step: a step offers tens of tokens, too few to pay for a
-    chain of small tensor ops, or for a Python op's round trip through the dispatcher (~0.3 ms
-    on a 2-core CPU, a tenth of a one-row forward)."""
+    chain of small tensor ops, or for a Python op's round trip through the dispatcher (a real
+    part of a one-row forward)."""
     bs, total = len(lengths), sum(lengths)
     if total == 0:
         return 1.0, []

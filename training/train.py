@@ -134,8 +134,8 @@ def init_from_target(model: torch.nn.Module, target, fz: Frozen) -> None:
 def use_bf16(autocast: str) -> bool:
     """Whether training steps (on the CPU) run under bf16 autocast (weights, optimizer state,
     norms and losses stay float32): `bf16`, `none`, or `auto` (bf16 when the CPU multiplies bf16
-    in hardware: AMX-BF16 tiles, where a step ran ~1.5x faster, or AVX512-BF16, 1.5-1.7x on an
-    EPYC without tiles; emulated elsewhere, so float32)."""
+    in hardware: AMX-BF16 tiles or AVX512-BF16, where steps ran faster (docs/training.md);
+    emulated elsewhere, so float32)."""
     if autocast not in ("auto", "bf16", "none"):
         raise ValueError(f"autocast={autocast!r}: auto, bf16 or none")
     if autocast == "auto":

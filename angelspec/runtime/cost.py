@@ -78,17 +78,17 @@ class CostTable:
     per_key: float = 0.0  # seconds a verified token's attention adds per cached key past `context`
 
     def __post_init__(self):
-        # a forward over more tokens is never cheaper: where a curve dips (the machine's noise; a
-        # profile of 5 rounds at start-up measured C(2) 0.3 ms below C(1) at batch 1), it stays
-        # level, so no draft token looks free to D-cut and the gate
+        # a forward over more tokens is never cheaper: where a curve dips (the machine's noise, seen
+        # in short start-up profiles: docs/results/design-measurements.md), it stays level, so no
+        # draft token looks free to D-cut and the gate
         self.seconds = rising(self.seconds)
         self.batches = {b: (n, rising(t)) for b, (n, t) in self.batches.items()}
 
     def shift(self, context: float) -> float:
         """Seconds to add to C_B(n) per verified token for requests of `context` cached tokens
         (negative below the profile's context): every verified token attends to all of its
-        request's keys. One request's 4-token forward took 3.17 ms after 50 keys, 4.56 after 300
-        and 5.80 after 800, against 2.80, 2.75 and 3.38 for 1 token (w4a8, AVX-512 EPYC)."""
+        request's keys, so a multi-token forward grows with the context faster than a one-token
+        one (measured: docs/results/design-measurements.md)."""
         return self.per_key * (context - self.context)
 
     def tensors(self, batch: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,8 +122,8 @@ def profile(model, max_tokens: int = SKINNY_MAX_ROWS, context: int = 256, per_re
     are timed after 4 x `context` keys as well: what a verified token's attention adds per key
     (`per_key`, for D-cut at other contexts: CostTable.shift). Each timed forward follows an
     untimed one of its own shape, as decoding steps follow each other: right after a much larger
-    shape a one-row forward took 3.9 ms instead of 3.4 (w4a8, AVX-512 EPYC), which made a
-    second to fourth verified token look nearly free (C(4) 1.01x C(1) instead of 1.17x)."""
+    shape a one-row forward runs slower, which made a second to fourth verified token look
+    nearly free (docs/results/design-measurements.md)."""
     sizes = sorted({n for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128) if n <= max_tokens}
                    | {max_tokens})
     per_batch = [(b, r) for b in BATCHES for r in ROWS if b * r <= max_tokens]

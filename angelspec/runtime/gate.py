@@ -19,16 +19,16 @@ forward, exactly as `none`. Only used with D-cut (D-cut off means fixed draft le
 The estimates of k and a average a drafting drafter's last ~WINDOW requests (a step of n
 requests weighs 1 - (1 - 1/WINDOW)^n; the plain mean of its first WINDOW): one request's
 accepted count is 0 or a whole run, and a few misses in a row on a shorter average benched a
-drafter whose tokens paid (MTP at one request, accepting ~0.4 tokens a step where ~0.25 paid,
-sat out 46% of the steps). A probe's counts, the only ones in a while, weigh FAST. The time t
+drafter whose tokens paid (MTP at one request sat out most steps while its tokens paid:
+docs/results/design-measurements.md). A probe's counts, the only ones in a while, weigh FAST. The time t
 follows its steps' times with weight FAST, but not a step where one of its requests proposed for
-the first time (it catches the drafter up on the whole prompt, a prefill's work: 4-9 ms for MTP
-at one request against ~0.7 ms a step), and a probe, which catches up on every step it sat out,
+the first time (it catches the drafter up on the whole prompt, a prefill's work, several steps'
+worth), and a probe, which catches up on every step it sat out,
 may only lower it. A drafter whose time is not known yet is judged as if drafting were free (at
 16 requests in flight with requests joining every few steps, most steps were untimed, and a
 drafter left unjudged drafted on every step although D-cut kept none of its tokens).
 
-A drafter whose drafting costs at most CHEAP of the step (ngram: ~50 us a request) drafts as
+A drafter whose drafting costs at most CHEAP of the step (ngram: a lookup) drafts as
 long as D-cut keeps some of its tokens (at least KEPT a request, on average): what its drafts
 cost to verify is D-cut's call, made on each draft's own confidence. Judged by running estimates
 of what it brings instead, a run of failed copies would bench it while its matches go unused:

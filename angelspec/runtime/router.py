@@ -27,11 +27,9 @@ first drafter, then shadow drafting lets the evidence switch it.
    it has drafted for a request (its first shadow draft there catches it up on the whole
    context: the costly one) it is judged by its longest draft and, once its shadow drafts for
    the domain's earlier requests were scored, by their mean accepted length plus an optimism
-   that shrinks with their number (k / sqrt(n) for drafts of k tokens). (At 16 in flight every
-   new request's first shadow drafts of MTP and DFly cost `auto` ~2% of its time against
-   `ngram` alone; at one request, chat's, where they accepted ~0.35 tokens and ngram's route
-   barely paid, `auto` ran 0.93x `ar` against ngram's 1.04x.) A drafter whose time is not known
-   yet shadow-drafts for one request until it is.
+   that shrinks with their number (k / sqrt(n) for drafts of k tokens): every new request's
+   first shadow drafts are the costly ones (docs/results/design-measurements.md). A drafter
+   whose time is not known yet shadow-drafts for one request until it is.
 """
 from __future__ import annotations
 
@@ -45,13 +43,13 @@ from angelspec.prompts import DOMAINS
 
 DEFAULT_ROUTES = {"chat": "mtp", "code": "dfly", "math": "dfly"}
 # what a build measures per domain for `auto`. Hybrids (`ngram+mtp`, ...) are served by name but
-# not candidates: on 2026-12-02 (AMX, bf16, quick drafts) they never won a domain's measurement,
-# and as contenders their shadow drafts cost `auto` 11% at batch 1 (docs/results)
+# not candidates: they never won a domain's measurement, and as contenders their shadow drafts
+# cost `auto` more than they brought (docs/results/design-measurements.md)
 CANDIDATES = ("mtp", "dfly", "ngram")
-# a drafter within 10% of a domain's fastest (build measurement) stays a contender: twice the
-# measurement's noise (build.ROUTE_MARGIN). At 20%, with D-cut bunching the measured speeds,
-# trained drafters 14-18% slower than ngram contended in code and math too, and following and
-# shadow-drafting for every request there cost `auto` 5-11% against ngram alone (AVX-512 EPYC)
+# a drafter within CONTEND of a domain's fastest (build measurement) stays a contender: twice the
+# measurement's noise (build.ROUTE_MARGIN). A wider margin let trained drafters that were clearly
+# slower than ngram contend too, and following and shadow-drafting for every request cost `auto`
+# against ngram alone (docs/results/design-measurements.md)
 CONTEND = 0.1
 ALWAYS_CONTENDS = ("ngram",)  # costs next to nothing to shadow-draft
 MOVE_AFTER = 2  # requests of a domain in a row that ended on another drafter move its route there
@@ -197,9 +195,7 @@ class Router:
         never switches to a drafter that missed its tokens); returns them, for the engine to
         release. Under a load where its own drafter does not pay, their shadow drafts would not
         either, and following (the target's hidden rows sliced for each trained contender every
-        step) is all they add: at 16 in flight (held-out prompts, AVX-512 EPYC) a step's time
-        outside drafting and the forward was 0.86 ms with them following, 0.70 detached, `ar`'s
-        0.45, of a ~17 ms step."""
+        step) is all they add (measured: docs/results/design-measurements.md)."""
         route.idle = route.idle + 1 if idle else 0
         if route.idle < DETACH_AFTER:
             return []

@@ -1,10 +1,10 @@
 """How many threads the engine's step runs on, adapted to the cores it really gets.
 
 Every kernel of a step is a parallel region whose threads wait for each other at its end. When
-another process takes one of the cores, a region waits for its preempted thread at every op: on
-2 cores beside one busy process, batch-1 `ar` fell from ~55 to ~18 tokens/s on 2 threads, while
-1 thread made ~38. The governor watches each forward's time against the profiled cost of the
-same forward (C_B(n), measured on an idle machine with all threads) and, when forwards run much
+another process takes one of the cores, a region waits for its preempted thread at every op, and
+fewer threads than cores can then run faster than all of them (docs/serving.md). The governor
+watches each forward's time against the profiled cost of the same forward (C_B(n), measured on
+an idle machine with all threads) and, when forwards run much
 slower than profiled, tries fewer threads for a few steps and keeps whichever count ran faster;
 while on fewer threads it retries all of them now and then (every 2 s, twice as long after each
 retry that loses, at most every 32 s), so the idle speed comes back when the neighbour leaves. On

@@ -34,8 +34,8 @@ struct V512 {
 #include "quant_tile.h"
 
 // 4 x-rows by 6 weight rows: 24 accumulators + 6 weight + 1 x = 31 of the 32 zmm registers. One
-// row (a decoding step) takes 12 weight rows at a time: more streams in flight from memory
-// (1.05-1.2x on out-of-cache 576-wide matrices, float32 and bf16, on an AVX-512 EPYC).
+// row (a decoding step) takes 12 weight rows at a time: more streams in flight from memory, faster
+// on out-of-cache matrices (docs/results/design-measurements.md).
 constexpr int kCols512 = 6, kRowCols512 = 12;
 
 void skinny_blocks_avx512(const float* x, const float* w, float* y, int64_t n, int64_t in,

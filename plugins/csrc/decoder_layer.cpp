@@ -42,8 +42,8 @@ void split_qkv(const float* qkv, float* q, float* k, float* v, int64_t n, int64_
 // first kAheadBytes of each), fetched into L2 a line at a time while it waits at a barrier: the
 // time one thread waits for the other reads memory instead of idling. The one-row forward's
 // layers read their weights about as long as they compute, one after the other rather than
-// overlapped (bench's "layers" line); this overlaps what a wait allows: `ar` ~2% faster, `ngram`
-// 1.7% (alternated in one process, w4a8, AVX-512 EPYC; 64 KB as good as 256).
+// overlapped (bench's "layers" line); this overlaps what a wait allows
+// (docs/results/design-measurements.md).
 constexpr int64_t kAheadBytes = 256 * 1024;
 struct Ahead {
   const void* of = nullptr;  // the matmul
@@ -64,8 +64,9 @@ struct Ahead {
 // The threads of run_region meeting between its steps: the last to arrive moves the generation
 // on, the others spin on it (a pause a turn; after kSpins turns they yield, should the machine
 // have fewer cores free than threads). Every write before a thread's arrival is seen by every
-// thread after it leaves (the arrivals' release and acquire, then the generation's). An OpenMP
-// barrier costs ~0.3 us on a 2-core EPYC under KVM, this one ~0.03: 150 of them a forward.
+// thread after it leaves (the arrivals' release and acquire, then the generation's). A forward
+// meets at ~150 of them, each far cheaper than an OpenMP barrier
+// (docs/results/design-measurements.md).
 // A thread given an `ahead` fetches it while it waits.
 class SpinBarrier {
  public:
@@ -251,9 +252,8 @@ std::vector<torch::Tensor> DecoderStack::run(const torch::Tensor& x, const torch
   float *h = buf.data(), *qkv = h + sizes[0], *q = qkv + sizes[1], *k = q + sizes[2], *v = k + sizes[3],
         *attn = v + sizes[4], *mid = attn + sizes[5], *up = mid + sizes[6], *act = up + sizes[7];
   // a head of int8 dot products runs in the region too, as its last matmul (no second region, no
-  // trip through Python for the final norm and the logits: the default target's `ar` step 4.3%
-  // faster when memory is fast, 2% when slow; alternated in one process, AVX-512 EPYC); any
-  // other head after it
+  // trip through Python for the final norm and the logits: a faster step,
+  // docs/results/design-measurements.md); any other head after it
   const bool region = dot_only && n <= kRegionRows && at::get_num_threads() > 1;
   const bool head_in_region = region && logits && head[0].kind == 3;
   if (region) {
@@ -291,10 +291,8 @@ std::vector<torch::Tensor> DecoderStack::run(const torch::Tensor& x, const torch
 // (norms, RoPE, the residual adds, x rounded to int8: small at few rows) on its own copy, and
 // takes its share of each matmul's tiles or of the attention's work items; a barrier after each
 // of those makes the whole output everyone's input. Six barriers a layer, where thread 0 running
-// those steps alone while the others waited took ten and left the others idle: the one-row
-// forward ran 1-3% faster, 4 to 12 rows 3-11% (w4a8, AVX-512 EPYC, alternated in one process).
-// The barriers are SpinBarriers: the one-row forward 1.5-2.7% faster than with OpenMP's, 4 and
-// 8 rows the same (w4a8, AVX-512 EPYC, alternated in one process).
+// those steps alone while the others waited took ten and left the others idle. The barriers are
+// SpinBarriers, cheaper than OpenMP's (both measured: docs/results/design-measurements.md).
 // The same kernels on the same numbers as run's loop, each output computed whole by one thread:
 // the same results bit for bit, however the work is shared.
 void DecoderStack::run_region(float* xp, const float* cp, const float* sp, const int64_t* rpp, int64_t n,

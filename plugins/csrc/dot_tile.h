@@ -69,10 +69,9 @@ constexpr int64_t tile_block_bytes(int bits) { return bits == 8 ? 512 : 256; }
 
 // Blocks ahead of its use that a kernel asks for a tile's weights, scales and minima: a thread's
 // tiles are one stream through memory (past a tile's end, the next tile's blocks), and without
-// the hint a matmul of a few rows waits on memory, then computes (weights out of cache, on an AMX
-// Xeon: VNNI 1.13x faster at 1 row, 1.25-1.45x at 2-8; AVX2 1.13-1.18x; AMX-INT8 1.09x at 16).
-// The weights kFarAhead blocks ahead go into L2 as well: more lines in flight (the layers'
-// matmuls ~1.1x at 1 row on an AVX-512 EPYC, ad hoc, a noisy machine).
+// the hint a matmul of a few rows waits on memory, then computes. The weights kFarAhead blocks
+// ahead go into L2 as well: more lines in flight (both measured:
+// docs/results/design-measurements.md).
 constexpr int64_t kAhead = 8, kFarAhead = 32;
 // qg: the block's weights; i: its scales' index in scale (and offset: int4 only, else null).
 template <int Bits>

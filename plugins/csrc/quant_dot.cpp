@@ -26,9 +26,9 @@ bool use_vnni() {
   return yes;
 }
 
-// From this many rows the tile unit beats VNNI (measured on a Xeon with AMX-INT8: int8 weights
-// 1.3-1.5x faster at 8 rows, 1.9-2.2x at 16-64; int4, whose nibbles VNNI takes as they lie,
-// 1.05-1.1x at 16 rows, 1.1-1.3x at 32-64). ANGELSPEC_NO_AMX=1 turns it off with the bf16 tiles.
+// From this many rows the tile unit beats VNNI: int8 weights from 8, int4 (whose nibbles VNNI
+// takes as they lie) from 16 (docs/results/design-measurements.md).
+// ANGELSPEC_NO_AMX=1 turns it off with the bf16 tiles.
 int64_t amx_rows(int64_t bits) { return bits == 8 ? 8 : 16; }
 }  // namespace
 

@@ -104,8 +104,8 @@ inline void rest(const float* x, const W* w, float* y, int64_t left, int64_t in,
 
 // How far ahead the first pass over a block fetches weight rows: the next block into L1, and the
 // block kFar ahead into L2 (more lines in flight than the hardware prefetcher keeps for short
-// rows: 1.2-1.3x on out-of-cache 576-wide bf16 matrices, one row, on an AVX-512 EPYC). Fetching
-// past the matrix's end is harmless: a prefetch never faults.
+// rows; docs/results/design-measurements.md). Fetching past the matrix's end is
+// harmless: a prefetch never faults.
 constexpr int64_t kFar = 4;
 
 // All rows of x against C weight rows, R at a time (the rest in one smaller tile); the first

@@ -3,7 +3,7 @@
 // accepted path. Greedy verification is one call into here (`angelspec::verify_greedy`), and
 // rejection sampling walks the same way (`angelspec::accept_paths`) over the target's own
 // samples: once per step, where a Python walk and the dispatch of a Python op cost a batch-1
-// step ~0.3 ms (of ~6) on a 2-core CPU.
+// step a real part of its time.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -14,8 +14,8 @@
 // x [N, V] float32 -> [N] int64: each row's first maximum, as torch's max(-1).indices gives it
 // (a NaN counts as the maximum: the first NaN). Two passes over a row (it stays in cache): the
 // maximum in four independent accumulators of 8 lanes, then the first index holding it.
-// Verification takes the target's greedy token of every row this way: torch's reduction ran ~12
-// us a row on one thread, ~0.3 ms of a 16-request step.
+// Verification takes the target's greedy token of every row this way: torch's reduction was a
+// real part of a many-request step.
 torch::Tensor row_argmax(const torch::Tensor& x) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) > 0,
               "row_argmax: float32 [N, V] with V > 0 expected");

@@ -77,9 +77,8 @@ void dot_tiles_vnni(const int8_t* xq, const float* d, const float* ds, const uin
                     const uint16_t* scale, const uint16_t* offset, float* y, int64_t n, int64_t in,
                     int64_t out, int64_t t0, int64_t t1) {
   const int64_t blocks = in / kBlock;
-  // one row: the two halves of the thread's tiles side by side, two streams from memory (one
-  // stream a core reads ~20 GB/s on a 2-core EPYC, two ~24; the one-row w4a8 forward ran ~4%
-  // faster, alternated within one process)
+  // one row: the two halves of the thread's tiles side by side, two streams from memory (a core
+  // reads two streams faster than one; docs/results/design-measurements.md)
   if (n == 1 && t1 - t0 >= 2) {
     const int64_t half = (t1 - t0) / 2;
     for (int64_t i = 0; i < half; ++i) {
@@ -98,8 +97,7 @@ void dot_tiles_vnni(const int8_t* xq, const float* d, const float* ds, const uin
       const float *dr = d + r * blocks, *sr = ds + r * blocks;
       float* yr = y + r * out;
       // every count of rows up to 8 in one pass over the tile (7 rows as 4 + 2 + 1 passes cost
-      // nearly as much as 8: the int4 weights are unpacked and the scales read once a pass; ~11%
-      // faster at 7 rows, 5% at 6, on an AVX-512 EPYC)
+      // nearly as much as 8: the int4 weights are unpacked and the scales read once a pass)
       const int64_t take = n - r < 8 ? n - r : 8;
       switch (take) {
         case 8: dot_tile_vnni<Bits, 8, 1>(xr, dr, sr, q, scale, offset, yr, in, out, &t); break;

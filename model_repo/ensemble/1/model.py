@@ -100,7 +100,7 @@ class TritonPythonModel:
         # that runs an OpenMP parallel region keeps its own pool of threads, and once the pools
         # hold more threads than there are cores, libgomp cuts the spin-wait between parallel
         # regions to almost nothing: every small op then pays a futex wake-up (the step ran
-        # ~15-20% slower here than in-process when the engine was loaded on the main thread).
+        # slower here than in-process when the engine was loaded on the main thread).
         ready, failed = threading.Event(), []
 
         def start():
@@ -262,7 +262,7 @@ class TritonPythonModel:
         """End requests whose client went away or whose deadline passed. Every open request is
         asked before every step, so a slot is free at most one step after Triton learns of the
         cancellation. Each question is a round trip to the server process; asking every step
-        did not cost throughput against asking every 10 ms (docs/serving.md)."""
+        cost no throughput against asking on a timer (docs/serving.md)."""
         now = time.time()
         for rid, job in list(self.jobs.items()):
             if job.sender.is_cancelled():
