@@ -77,7 +77,7 @@ def cmd_target(args) -> int:
 
 
 def _synthetic_target(name: str, out: str) -> int:
-    from angelspec.bench.gguf import write_gguf
+    from angelspec.builders.gguf import write_gguf
     from angelspec.checkpoint import Target, read_config
     from angelspec.default_target import ensure_default_target
     from angelspec.synthetic_target import GGUF, write_synthetic_target

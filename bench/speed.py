@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from angelspec.bench.gguf import FORMATS, write_gguf
 from angelspec.bench.peers import PEERS, SPECULATING, llama_bench, make_peer
+from angelspec.builders.gguf import FORMATS, write_gguf
 from angelspec.checkpoint import Target, load_target
 from angelspec.default_target import gguf_folder
 from angelspec.model import Segment
@@ -223,7 +223,7 @@ GGUF_DIR = pathlib.Path("build/gguf")  # GGUFs bench writes for targets not conv
 
 def gguf_of(target: Target) -> pathlib.Path:
     """The GGUF a converted target came from (angelspec_source.json: the default target's), or
-    else the target written as one (bench/gguf.py) in the format of the weights its engine
+    else the target written as one (builders/gguf.py) in the format of the weights its engine
     serves, once, under build/gguf/ (keyed by the checkpoint's path, files and weights)."""
     src = target.path / "angelspec_source.json"
     name = json.loads(src.read_text()).get("gguf") if src.exists() else None

@@ -152,7 +152,7 @@ def test_a_throughput_job_takes_the_weights_fastest_under_load(default_target, m
 
 def test_gguf_written_for_any_target_in_its_engines_weight_format(default_target, tiny, tmp_path, monkeypatch):
     """A target not converted from a GGUF is written as one for the peers in its engine's weight
-    format (bench/gguf.py), once; an o_proj bias no llama.cpp architecture covers is refused."""
+    format (builders/gguf.py), once; an o_proj bias no llama.cpp architecture covers is refused."""
     import dataclasses
 
     from gguf import GGMLQuantizationType as Q
@@ -186,9 +186,9 @@ def test_peers_run_the_gguf_in_their_own_runtime_or_say_how_to_get_them(peer, de
     against the peer's own greedy output; llama.cpp's decode timings and llama-bench's figure come
     beside its end-to-end one. The GGUF bench writes for the default target gives the very tokens
     of the one it was converted from. Without the peer, the error says how to get it."""
-    from angelspec.bench.gguf import write_gguf
     from angelspec.bench.peers import LLAMACPP_BIN, LlamaServer, OpenVinoRunner
     from angelspec.bench.speed import bench, format_table
+    from angelspec.builders.gguf import write_gguf
 
     prompts = [{"prompt": "What is 2 + 2?", "domain": "math"},
                {"prompt": "Write a Python function that reverses a string.", "domain": "code"}]
@@ -226,9 +226,9 @@ def test_peers_run_the_gguf_in_their_own_runtime_or_say_how_to_get_them(peer, de
 
 
 def test_gguf_rotary_rows_carry_rotate_half_rope_to_the_interleaved_one():
-    """bench/gguf.py permutes q / k rows so that llama.cpp's interleaved RoPE (pairs 2i, 2i+1) on
+    """builders/gguf.py permutes q / k rows so that llama.cpp's interleaved RoPE (pairs 2i, 2i+1) on
     the permuted projection equals Hugging Face's rotate-half RoPE (pairs i, i + d/2) on ours."""
-    from angelspec.bench.gguf import rotary_rows
+    from angelspec.builders.gguf import rotary_rows
 
     heads, d, hidden, pos = 3, 8, 16, 5.0
     w, x = torch.randn(heads * d, hidden), torch.randn(hidden)

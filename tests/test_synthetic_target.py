@@ -7,7 +7,7 @@ from conftest import make_checkpoint
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader
 
-from angelspec.bench.gguf import write_gguf
+from angelspec.builders.gguf import write_gguf
 from angelspec.checkpoint import load_target, read_config
 from angelspec.model import Segment
 from angelspec.synthetic_target import GGUF, SHAPES, is_synthetic, write_synthetic_target
