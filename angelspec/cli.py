@@ -45,7 +45,7 @@ STAGES = {
                       "Runs the engine here for the reference tokens, then the proof in the export "
                       "environment (make export-env): every graph through the ONNX checker and strict "
                       "shape inference, and a decode through ONNX Runtime with the plugins "
-                      "implemented from their documented semantics (plugins/ort_ops.py); near-ties "
+                      "implemented from their documented semantics (builders/ort_ops.py); near-ties "
                       "of the float16 target are counted, never hidden."),
     "perf": ("angelspec.bench.perf",
              "load-test the served ensemble with perf_analyzer (gRPC streaming, a concurrency "

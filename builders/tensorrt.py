@@ -33,9 +33,9 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 from tensorrt_edgellm.onnx.dynamo_translations import build_custom_translation_table
 
+from angelspec.builders import onnx_ops
 from angelspec.builders.tensorrt_drafts import contract, export_draft
 from angelspec.drafters.draft_checkpoint import load_draft
-from angelspec.plugins import onnx_ops
 from angelspec.runtime.manifest import read_manifest
 
 DRAFTS = ("dfly", "dflash")

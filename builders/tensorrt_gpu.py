@@ -168,7 +168,7 @@ def main(argv=None) -> int:
 
     ctypes.CDLL(state["found"]["edgellm_plugin"], mode=ctypes.RTLD_GLOBAL)  # Edge-LLM's plugins
     trt.init_libnvinfer_plugins(trt.Logger(trt.Logger.WARNING), "")
-    importlib.import_module("angelspec.plugins.tensorrt_plugins")  # registers ours (imports TensorRT: only now)
+    importlib.import_module("angelspec.builders.tensorrt_plugins")  # registers ours (imports TensorRT: only now)
 
     folder = pathlib.Path(args.engine) / "tensorrt"
     info = json.loads((folder / "export.json").read_text())

@@ -31,8 +31,8 @@ import numpy as np
 import onnx
 from safetensors.numpy import load_file
 
+from angelspec.builders import onnx_ops, ort_ops
 from angelspec.builders.tensorrt import dcut_graph
-from angelspec.plugins import onnx_ops, ort_ops
 
 PAGE = 128
 

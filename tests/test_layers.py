@@ -95,3 +95,24 @@ def test_every_module_has_a_layer():
     """A new package must be placed in LAYERS before it can be checked."""
     missing = [n for n in modules() if layer_of(n) is None and n != "angelspec"]
     assert not missing, f"modules in no layer: {missing}"
+
+
+EXPORT_LIBRARIES = ("onnx", "onnxscript", "onnxruntime", "onnxruntime_extensions", "tensorrt")
+
+
+def test_the_core_imports_no_export_library():
+    """ONNX, ONNX Runtime and TensorRT belong to the export stage (builders/, run in its own
+    environment): no module of the core layers imports them, at module level or inside a
+    function."""
+    core = LAYERS[LAYERS.index("angelspec.runtime"):]
+    bad = []
+    for name, path in sorted(modules().items()):
+        layer = layer_of(name)
+        if layer is None or LAYERS[layer[0]] not in core:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else [])
+            bad += [f"{path.relative_to(ROOT)}:{node.lineno} imports {n}" for n in names
+                    if n.split(".")[0] in EXPORT_LIBRARIES]
+    assert not bad, "\n".join(bad)

@@ -1,7 +1,7 @@
 """`angelspec build --export tensorrt` and `angelspec verify-export` on a tiny engine: every graph
 passes the ONNX checker with the contracts TensorRT Edge-LLM's runtime reads, our plugin ops in
 the angelspec domain, and a greedy speculative decode through ONNX Runtime (exported target +
-DFly draft + D-cut, the plugins run by plugins/ort_ops.py) returns the engine's own tokens.
+DFly draft + D-cut, the plugins run by builders/ort_ops.py) returns the engine's own tokens.
 
 These run in the export environment (`make export-env`, a prerequisite of `make test`); without
 it they are skipped, except under CI, where a missing environment fails them."""

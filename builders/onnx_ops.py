@@ -23,7 +23,7 @@ per-layer copy of the context projection (standard MatMul), see builders/tensorr
 `register_schemas()` makes `onnx.checker` and shape inference know both ops;
 `translation_table()` maps the torch ops onto them for `torch.onnx.export(dynamo=True)`.
 Every node carries `plugin_version` and `plugin_namespace`, which TensorRT's ONNX parser uses to
-find the plugin (plugins/tensorrt_plugins.py registers both as angelspec::<op>).
+find the plugin (builders/tensorrt_plugins.py registers both as angelspec::<op>).
 Needs the export environment's packages (onnx, onnxscript): `make export-env`.
 """
 from __future__ import annotations
