@@ -14,7 +14,7 @@ DATA   ?= build/data$(SUFFIX)
 DRAFTS ?= build/drafts$(SUFFIX)
 ENGINE ?= engines/default$(SUFFIX)
 
-.PHONY: setup target demo demo-engine aiperf openai-bench generate bench data drafts bench-drafts engines bench-engine serve stop perf soak probe test test-fast lint startup clean help export-env export-tensorrt verify-export tensorrt-engines llamacpp openvino
+.PHONY: setup target demo demo-engine aiperf openai-bench generate bench data drafts bench-drafts engines bench-engine serve stop perf soak probe test test-fast lint startup results clean help export-env export-tensorrt verify-export tensorrt-engines llamacpp openvino
 
 help:
 	@echo "make demo    the main job: an engine of the default target served by tritonserver, a streamed request, a perf_analyzer sweep"
@@ -40,6 +40,7 @@ help:
 	@echo "make export-tensorrt $(ENGINE)/tensorrt: target, DFly/DFlash and D-cut as ONNX graphs with plugin ops"
 	@echo "make verify-export   prove that export here: ONNX checker + a decode through ONNX Runtime vs the engine"
 	@echo "make tensorrt-engines  (GPU host) TensorRT engines from that export, one prompt compared"
+	@echo "make results the results tables (README, docs/results/README.md) from the JSON records in docs/results"
 
 setup: $(VENV)/.installed
 
@@ -215,6 +216,10 @@ startup: setup
 	@for cmd in "--help" "client --help" "stop --server build/no-server"; do \
 	  s=$$(date +%s.%N); for i in 1 2 3 4 5; do $(VENV)/bin/angelspec $$cmd > /dev/null; done; \
 	  e=$$(date +%s.%N); echo "angelspec $$cmd: $$($(PY) -c "print(round(($$e - $$s) / 5, 3))") s"; done
+
+# the README's and docs/results/README.md's tables, written from the JSON records in docs/results
+results: setup
+	$(PY) -m angelspec.bench.results
 
 clean:
 	rm -rf build engines
