@@ -10,7 +10,6 @@ overwritten by the next step, which is how rollback costs nothing.
 """
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass, field
 
@@ -18,19 +17,16 @@ import torch
 import torch.nn.functional as F
 
 from angelspec import DEFAULT_MAX_LEN
-from angelspec.pages import on_huge_pages
 from angelspec.plugins import (
     SKINNY_MAX_ROWS,
     cached_attention,
     linear,
     rms_norm,
     rope_,
-    served,
     silu_mul,
 )
 from angelspec.plugins.attention import KEY_TILE, keys, kv_cache
 from angelspec.plugins.decoder_layer import decoder_stack, prepare_stack
-from angelspec.plugins.linear import SCHEMES
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -210,8 +206,8 @@ class Llama:
         self.embed = get("model.embed_tokens.weight")
         self.lm_head = self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in w \
             else get("lm_head.weight")
-        self.head_w = self.lm_head  # what head() multiplies by (pack_bf16, quantize: theirs)
-        self.weights = "float32"  # the matmul weights (pack_bf16: "bfloat16"; quantize: SCHEMES)
+        self.head_w = self.lm_head  # what head() multiplies by (angelspec.weights: the served form)
+        self.weights = "float32"  # how the matmul weights are served (angelspec.weights)
         self.backend = "eager"  # how forward runs (runtime/backend.py: use_backend)
         self.compiled = None  # the compiled forward of a compiled backend
         self.fused = True  # decoding forwards run every layer in one call (plugins.decoder_layer)
@@ -243,112 +239,9 @@ class Llama:
         self.cos, self.sin = ang.cos().contiguous(), ang.sin().contiguous()
         self.max_len = max_len
 
-    MATMULS = ("qkv", "o", "gate_up", "down")
-
-    def bf16_exact(self) -> bool:
-        """Whether every matmul weight is a bf16 value (a bf16 checkpoint's are): then pack_bf16
-        serves exactly the checkpoint's weights."""
-        ws = [self.head_w] + [l[k] for l in self.layers for k in self.MATMULS]
-        return all(torch.equal(w.bfloat16().float(), w) for w in ws if w.dtype == torch.float32)
-
-    def gives_back(self, quantized: "Llama") -> bool:
-        """Whether `quantized` (this float32 model's served_as(one of SCHEMES)) dequantizes to
-        exactly these weights: a checkpoint converted from such blocks (the default target's
-        GGUF) comes back bit for bit, so int8 / int4 compute this very model (w8a8 / w4a8 this
-        model on int8-rounded activations)."""
-        pairs = [(quantized.head_w, self.head_w)] + [(q[k], l[k]) for q, l in zip(quantized.layers, self.layers)
-                                                      for k in self.MATMULS]
-        return all(torch.equal(q.dequantized(), w) if hasattr(q, "dequantized") else torch.equal(q, w)
-                   for q, w in pairs)
-
-    def pack_bf16(self) -> None:
-        """Serve the matmuls from bf16 weights (plugins.served): half the bytes per forward. With
-        AMX-BF16 tiles they are packed for the tile unit (matrix-unit speed for many rows; the
-        activations entering each matmul are rounded to bf16); without, they stay in row order
-        and the float32 kernels widen them as they load them (the float32 model on the bf16
-        weights, activations float32). Weights whose shape the tiles do not fit stay float32. The
-        embedding and `lm_head` stay float32 for the drafters."""
-        if self.weights == "bfloat16":
-            return
-        if self.weights != "float32":
-            raise RuntimeError(f"cannot serve {self.weights} weights as bf16: start from float32")
-        self.head_w = served(self.lm_head, "bfloat16", logits=True)
-        for layer in self.layers:
-            for k in self.MATMULS:
-                layer[k] = served(layer[k], "bfloat16")
-        self.weights = "bfloat16"
+    def invalidate(self) -> None:
+        """The layers' tensors changed (angelspec.weights): what was prepared from them goes."""
         self._prepared = None
-
-    def quantize(self, scheme: str) -> None:
-        """Serve the matmuls from quantized weights (plugins.quantize, groups of 32: `int8` as
-        llama.cpp's Q8_0, `int4` as its Q4_1, the logits' matmul then int8 as llama.cpp keeps
-        its output matrix): a quarter / a fifth of the float32 bytes per forward. int8 / int4
-        (weight-only) serve the float32 model on the dequantized weights; w8a8 / w4a8 the same
-        weights with each matmul's input rounded to int8 in blocks of 32 (integer dot products,
-        as llama.cpp computes). Both are row-exact (plugins.linear), so speculative output equals
-        this model's own batch-1 output. The embedding and `lm_head` stay float32 for the
-        drafters."""
-        if self.weights == scheme:
-            return
-        if scheme not in SCHEMES:
-            raise ValueError(f"unknown weight scheme {scheme!r} ({', '.join(SCHEMES)})")
-        if self.weights != "float32":
-            raise RuntimeError(f"cannot quantize {self.weights} weights: start from float32")
-        self.head_w = served(self.lm_head, scheme, logits=True)
-        for layer in self.layers:
-            for k in self.MATMULS:
-                layer[k] = served(layer[k], scheme)
-        self.weights = scheme
-        self._prepared = None
-
-    def serve(self, weights: str) -> None:
-        """Serve the matmuls as `weights` says: float32 (as loaded), bfloat16 (pack_bf16), int8 /
-        int4 / w8a8 / w4a8 (quantize). Converted weights are then copied, in the order a forward
-        reads them, into one buffer on huge pages (angelspec.pages); float32 ones stay as loaded."""
-        if weights == "float32":
-            if self.weights != "float32":
-                raise ValueError(f"this model serves {self.weights} weights: load it again for float32")
-            return
-        if weights == self.weights:
-            return
-        if weights == "bfloat16":
-            self.pack_bf16()
-        else:
-            self.quantize(weights)
-        order = [(layer, k) for layer in self.layers for k in layer]  # a layer's dict: in forward order
-        moved = on_huge_pages([layer[k] for layer, k in order] + [self.norm, self.head_w])
-        for (layer, k), w in zip(order, moved):
-            layer[k] = w
-        self.norm, self.head_w = moved[-2:]
-        self._prepared = None
-
-    def served_as(self, weights: str) -> "Llama":
-        """This float32 model serving `weights` (serve), sharing every other tensor; this one is
-        left as it is."""
-        if weights == self.weights:
-            return self
-        if self.weights != "float32":
-            raise ValueError(f"this model already serves {self.weights} weights: pass a float32 one")
-        m = copy.copy(self)
-        m.layers = [dict(l) for l in self.layers]
-        m._prepared = None
-        m.serve(weights)
-        return m
-
-    def weight_bytes(self, head: bool = True) -> int:
-        """Bytes of weights one forward reads (the embedding lookup reads only a few rows); without
-        `head`, its layers' alone."""
-        tensors = [t for l in self.layers for t in l.values() if t is not None]
-        return sum(t.nbytes for t in tensors + ([self.norm, self.head_w] if head else []))
-
-    def repeating_first_layer(self) -> "Llama":
-        """This model with every layer its first (the same tensors), run eagerly: its forward does
-        the work of this one's on the weights of one layer, which stay in cache from layer to
-        layer (bench: what a forward's compute costs apart from streaming its weights)."""
-        m = copy.copy(self)
-        m.layers = [self.layers[0]] * len(self.layers)
-        m.compiled, m.backend, m._prepared = None, "eager", None
-        return m
 
     def new_cache(self, slots: int, max_len: int | None = None) -> KVCache:
         return KVCache(self.cfg, slots, max_len or self.max_len, self.kv_dtype)

@@ -16,6 +16,7 @@ from angelspec.runtime import Engine, Request, SamplingParams
 from angelspec.training import data
 from angelspec.training.data import Sequences, build
 from angelspec.training.sources import held_out, prompts
+from angelspec.weights import served_as
 
 FORBIDDEN = ("gsm", "humaneval", "mbpp", "mt_bench", "mt-bench", "hendrycks", "competition_math")
 SETTINGS = dict(counts={d: 2 for d in DOMAINS}, heldout=1, max_tokens=8,
@@ -110,7 +111,7 @@ def built(default_target, tmp_path_factory):
 def as_made(target, m):
     """The target as the data step ran it: with the matmul weights an engine serves."""
     if m["generation"]["weights"] != "float32":  # an exact int4 is recorded as float32's numbers
-        return dataclasses.replace(target, model=target.model.served_as(m["generation"]["weights"]))
+        return dataclasses.replace(target, model=served_as(target.model, m["generation"]["weights"]))
     return target
 
 

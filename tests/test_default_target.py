@@ -10,6 +10,7 @@ from conftest import tiny_target
 
 from angelspec.default_target import GGUF_FILE, check_tokenizer, gguf_folder
 from angelspec.model import Segment
+from angelspec.weights import MATMULS, served_as, weight_bytes
 
 pytestmark = pytest.mark.slow
 
@@ -47,12 +48,12 @@ def test_int4_serves_exactly_the_default_targets_weights(default_target):
     int4 scheme (Q4_1, the logits' matmul Q8_0) gives back every weight, so an int4 model computes
     bit-identical logits from a fifth of the bytes."""
     m32 = default_target.model
-    m4 = m32.served_as("int4")
+    m4 = served_as(m32, "int4")
     for l32, l4 in zip(m32.layers, m4.layers):
-        for k in m32.MATMULS:
+        for k in MATMULS:
             assert l4[k].bits == 4 and torch.equal(l4[k].dequantized(), l32[k]), k
     assert m4.head_w.bits == 8 and torch.equal(m4.head_w.dequantized(), m32.lm_head)
-    assert m4.weight_bytes() < m32.weight_bytes() / 4.5
+    assert weight_bytes(m4) < weight_bytes(m32) / 4.5
     ids = torch.tensor(default_target.encode_chat("What is 7 * 8?"))
     outs = []
     for m in (m32, m4):  # a prompt forward (the row-exact kernels), then one decoding step
@@ -121,7 +122,7 @@ def test_exact_weights_keep_the_checkpoints_outputs_and_fidelity_says_what_w4a8_
     seqs = [default_target.encode_chat(p) for p in ("Name three colours.", "def add(a, b):")]
     same = fidelity(default_target.model, default_target.model, seqs)
     assert same["top1_agreement"] == 1.0 and same["perplexity_served"] == same["perplexity_float32"]
-    f = fidelity(default_target.model, default_target.model.served_as("w4a8"), seqs)
+    f = fidelity(default_target.model, served_as(default_target.model, "w4a8"), seqs)
     assert f["tokens"] == sum(len(x) - 1 for x in seqs) and 0.9 <= f["top1_agreement"] <= 1.0
     assert abs(f["perplexity_served"] / f["perplexity_float32"] - 1) < 0.05
 
@@ -158,15 +159,16 @@ def test_gguf_written_for_any_target_in_its_engines_weight_format(default_target
     from gguf import GGMLQuantizationType as Q
     from gguf import GGUFReader
 
-    import angelspec.bench.speed as speed
-    from angelspec.bench.speed import agreement, gguf_of
+    import angelspec.bench.references as references
+    from angelspec.bench.compare import agreement
+    from angelspec.bench.references import gguf_of
 
     assert agreement([1, 2, 3, 4], [1, 2, 9]) == 0.5 and agreement([5], [5]) == 1.0
     assert gguf_of(default_target).name == GGUF_FILE
-    monkeypatch.setattr(speed, "GGUF_DIR", tmp_path)
+    monkeypatch.setattr(references, "GGUF_DIR", tmp_path)
     cfg = tiny.config
     for weights, layer, edge in (("float32", Q.F32, Q.F32), ("w4a8", Q.Q4_1, Q.Q8_0)):
-        t = tiny if weights == "float32" else dataclasses.replace(tiny, model=tiny.model.served_as(weights))
+        t = tiny if weights == "float32" else dataclasses.replace(tiny, model=served_as(tiny.model, weights))
         f = gguf_of(t)
         assert f.parent == tmp_path and weights in f.name and gguf_of(t) == f  # written once
         r = GGUFReader(str(f))
@@ -187,7 +189,8 @@ def test_peers_run_the_gguf_in_their_own_runtime_or_say_how_to_get_them(peer, de
     beside its end-to-end one. The GGUF bench writes for the default target gives the very tokens
     of the one it was converted from. Without the peer, the error says how to get it."""
     from angelspec.bench.peers import LLAMACPP_BIN, LlamaServer, OpenVinoRunner
-    from angelspec.bench.speed import bench, format_table
+    from angelspec.bench.report import format_table
+    from angelspec.bench.speed import bench
     from angelspec.builders.gguf import write_gguf
 
     prompts = [{"prompt": "What is 2 + 2?", "domain": "math"},

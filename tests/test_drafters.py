@@ -29,6 +29,7 @@ from angelspec.training.objectives import (
     ttt_rollout,
     walk,
 )
+from angelspec.weights import serve
 
 
 @pytest.fixture(scope="module")
@@ -362,7 +363,7 @@ def test_mtp_fused_proposal_is_the_op_by_op_one(target8, tmp_path, kind, vocab, 
     cfg, model = draft(target8, kind, vocab=vocab)
     target = load_target(target8.path, max_len=512)
     if weights != "float32":
-        target.model.serve(weights)
+        serve(target.model, weights)
     save_draft(tmp_path / cfg.kind, cfg, model.state_dict())
     g = torch.Generator().manual_seed(4)
     seqs = [torch.randint(1, 96, (n,), generator=g).tolist() for n in (12, 40)]
@@ -393,7 +394,7 @@ def test_dfly_head_in_one_call_is_draft_head(target8, tmp_path, weights):
     cfg, model = draft(target8, "dfly", vocab=64)
     target = load_target(target8.path, max_len=512)
     if weights != "float32":
-        target.model.serve(weights)
+        serve(target.model, weights)
     drafter = served(target, tmp_path, cfg, model)
     d, fz = drafter.model, drafter.frozen
     g = torch.Generator().manual_seed(6)
@@ -416,7 +417,7 @@ def test_drafts_serve_in_the_engines_quantized_scheme_losslessly(target8, tmp_pa
     cfg, model = draft(target8, kind, vocab=64)
     save_draft(tmp_path / kind, cfg, model.state_dict())
     target = load_target(target8.path, max_len=512)
-    target.model.serve("w4a8")
+    serve(target.model, "w4a8")
     drafter = make_drafter(kind, None, target, tmp_path)
     layers = [m for m in drafter.model.modules() if isinstance(m, Linear)]
     assert layers and all(isinstance(m.serving_weight, QuantWeight) and m.serving_weight.int8_activations

@@ -99,7 +99,8 @@ def test_engine_with_packed_or_quantized_weights_serves_losslessly(parts, tmp_pa
             out = eng.generate([Request(p, params, name) for p in prompts])
             assert [r.tokens for r in out] == [r.tokens for r in ref], (name, dcut)
     if weights == "bfloat16":  # bench times the same target's float32 weights beside the engine's
-        from angelspec.bench.speed import bench, format_table
+        from angelspec.bench.report import format_table
+        from angelspec.bench.speed import bench
         from angelspec.prompts import load_prompts
 
         res = bench(None, load_prompts(root / "data" / "heldout.jsonl"), ["ar", "float32"], max_tokens=8,
@@ -364,7 +365,7 @@ def test_bench_cli_with_engine_concurrency_dcut_and_auto(parts, tmp_path):
     assert sum(used.values()) == 6 and {u.split(":")[0] for u in used} <= {"mtp", "dfly", "ngram"}
     assert "auto+dcut" in proc.stdout
     # each batch's rate against ar's run of the same batch: every batch of both rounds, once
-    from angelspec.bench.speed import chunks
+    from angelspec.bench.runs import chunks
     from angelspec.prompts import load_prompts
     pair = rows[("ngram", True, "all")]["paired_vs_ar"]
     assert pair["batches"] == 2 * len(chunks(load_prompts(root / "data" / "heldout.jsonl"), 2))

@@ -4,6 +4,7 @@ import torch
 from conftest import check_on_each_isa, rerun_without_amx
 
 import angelspec.plugins as ops
+from angelspec.weights import MATMULS, bf16_exact, pack_bf16, weight_bytes
 
 CHECK = r"""
 import torch, angelspec.plugins as ops
@@ -154,24 +155,24 @@ def test_bf16_weights_serve_losslessly_and_the_checkpoint_unchanged(tmp_path):
     target = tiny_target(tmp_path, vocab_size=96, eos_token_id=95)
     m = target.model
     for layer in m.layers:  # round the random weights to bf16 values, as a bf16 checkpoint's
-        for k in m.MATMULS:
+        for k in MATMULS:
             layer[k] = layer[k].bfloat16().float()
     m.embed = m.lm_head = m.head_w = m.embed.bfloat16().float()
-    assert m.bf16_exact()
+    assert bf16_exact(m)
     p = SamplingParams(max_tokens=24)
     ps = [[5, 9, 14, 5, 9], [3] * 12, list(range(1, 40))]
     tiles = ops.amx_available()
     w = choose_weights(m, "auto")  # bf16 values: served as bf16 with tiles, measured without
     assert w["exact"] and w["checkpoint_is_bf16"] and w["amx_tiles"] == (w["dtype"] == "bfloat16" and tiles)
     assert w["dtype"] == "bfloat16" if tiles else "bfloat16 gives back the checkpoint's weights" in w["why"]
-    bytes32 = m.weight_bytes()
+    bytes32 = weight_bytes(m)
     float32 = [Engine(target, max_batch=1, max_len=128).generate([Request(x, p, "ar")])[0].tokens
                for x in ps]
-    m.pack_bf16()
-    assert m.weights == "bfloat16" and m.weight_bytes() < 0.6 * bytes32
+    pack_bf16(m)
+    assert m.weights == "bfloat16" and weight_bytes(m) < 0.6 * bytes32
     assert isinstance(m.head_w, torch.Tensor) == tiles and m.lm_head.dtype == torch.float32
     assert all(isinstance(layer[k], torch.Tensor if tiles else ops.Bf16Weight) for layer in m.layers
-               for k in m.MATMULS)
+               for k in MATMULS)
     ref = [Engine(target, max_batch=1, max_len=128).generate([Request(x, p, "ar")])[0].tokens
            for x in ps]
     if not tiles:

@@ -5,8 +5,10 @@ import pytest
 import torch
 from conftest import make_checkpoint, rerun_without_amx
 
+from angelspec.bench.machine import repeating_first_layer
 from angelspec.checkpoint import CheckpointError, load_target, read_config, read_weights
 from angelspec.model import Llama, Segment
+from angelspec.weights import served_as
 
 VARIANTS = {
     "llama_tied": dict(arch="llama"),
@@ -69,8 +71,8 @@ def test_each_layer_as_one_op_computes_what_the_ops_one_by_one_compute(tmp_path,
     ids = torch.randint(0, cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(3))
     tree = torch.tensor([-1, 0, 0, 1, 2])
     for weights in ["float32", "bfloat16", "int8", "int4", "w8a8", "w4a8"]:
-        fused = base.served_as(weights)
-        ops = base.served_as(weights) if weights != "float32" else Llama(cfg, read_weights(tmp_path), max_len=128)
+        fused = served_as(base, weights)
+        ops = served_as(base, weights) if weights != "float32" else Llama(cfg, read_weights(tmp_path), max_len=128)
         ops.fused = False
         caches = [m.new_cache(2, 64) for m in (fused, ops)]
         steps = [(ids[:20], [Segment(1, 0, 20)]), (ids[20:21], [Segment(1, 20, 1)]),
@@ -102,7 +104,7 @@ def test_the_one_region_forward_of_int8_dot_layers_computes_what_the_ops_compute
     torch.set_num_threads(threads)
     try:
         for weights in ["w8a8", "w4a8"]:
-            fused, ops = base.served_as(weights), base.served_as(weights)
+            fused, ops = served_as(base, weights), served_as(base, weights)
             ops.fused = False
             caches = [m.new_cache(3, 64) for m in (fused, ops)]
             steps = [(ids[:20], [Segment(0, 0, 20)]), (ids[20:21], [Segment(0, 20, 1)]),
@@ -153,7 +155,7 @@ def test_no_logits_rows_skip_the_head_and_the_repeating_model_runs_layer_one_thr
                             logit_rows=torch.zeros(0, dtype=torch.long))
     assert logits.shape == (6, tiny.config.vocab_size) and none.shape == (0, tiny.config.vocab_size)
     assert all(torch.equal(a, b) for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v))
-    rep = model.repeating_first_layer()
+    rep = repeating_first_layer(model)
     assert len(rep.layers) == len(model.layers) and all(layer is model.layers[0] for layer in rep.layers)
     assert model.layers[1] is not model.layers[0] and rep.backend == "eager"
     _, again = rep.forward(ids, rep.batch([Segment(0, 0, 6)]), rep.new_cache(1, 16), capture=(1,))

@@ -9,6 +9,7 @@ from angelspec.checkpoint import read_config, read_weights
 from angelspec.model import Llama
 from angelspec.pages import HUGE_PAGE, LINE, huge_page_mb, on_huge_pages, zeros_on_huge_pages
 from angelspec.plugins.linear import QuantWeight, quantize
+from angelspec.weights import served_as
 
 THP = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -54,7 +55,7 @@ def test_weights_keep_their_values_and_kinds():
 def test_a_served_models_weights_are_advised_to_huge_pages(tmp_path):
     make_checkpoint(tmp_path, arch="llama")
     base = Llama(read_config(tmp_path), read_weights(tmp_path), max_len=64)
-    served = base.served_as("w4a8")
+    served = served_as(base, "w4a8")
     for t in (served.layers[0]["qkv"].q, served.layers[-1]["down"].scale, served.norm, served.head_w.q):
         assert mapping_of(t).get("THPeligible") == "1"
     assert huge_page_mb() is not None  # what bench reports (0 where none were granted)

@@ -7,6 +7,7 @@ from conftest import check_on_each_isa, run_on_each_isa, tiny_target
 
 import angelspec.plugins as ops
 from angelspec.runtime import Engine, Request, SamplingParams
+from angelspec.weights import quantize, weight_bytes
 
 CHECK = r"""
 import torch, angelspec.plugins as ops
@@ -153,12 +154,12 @@ def test_quantized_model_serves_losslessly_against_itself(tmp_path, scheme, kv_c
     m = target.model
     m.kv_dtype = getattr(torch, kv_cache)
     assert m.new_cache(2, 64).k[0].dtype == m.kv_dtype
-    bytes32 = m.weight_bytes()
-    m.quantize(scheme)
+    bytes32 = weight_bytes(m)
+    quantize(m, scheme)
     assert m.weights == scheme and m.head_w.bits == 8  # the logits' matmul: int8 under int4 too
     assert m.head_w.int8_activations == (scheme in ("w8a8", "w4a8"))
     assert m.lm_head.dtype == torch.float32  # the drafters' copy
-    assert m.weight_bytes() < (0.3 if scheme in ("int8", "w8a8") else 0.25) * bytes32
+    assert weight_bytes(m) < (0.3 if scheme in ("int8", "w8a8") else 0.25) * bytes32
     p = SamplingParams(max_tokens=24)
     ps = [[5, 9, 14, 5, 9], [3] * 12, list(range(1, 90)) + list(range(1, 70))]
     ar = Engine(target, max_batch=1, max_len=256)
@@ -175,5 +176,5 @@ def test_quantized_model_serves_losslessly_against_itself(tmp_path, scheme, kv_c
     eng = Engine(target, max_batch=3, max_len=256, draft_len=4)
     assert eng.generate([Request(ps[0], s, "ngram")])[0].tokens == sampled
     with pytest.raises(RuntimeError, match="start from float32"):
-        m.quantize("int8" if scheme == "int4" else "int4")
+        quantize(m, "int8" if scheme == "int4" else "int4")
 

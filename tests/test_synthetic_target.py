@@ -11,6 +11,7 @@ from angelspec.builders.gguf import write_gguf
 from angelspec.checkpoint import load_target, read_config
 from angelspec.model import Segment
 from angelspec.synthetic_target import GGUF, SHAPES, is_synthetic, write_synthetic_target
+from angelspec.weights import bf16_exact
 
 
 @pytest.fixture
@@ -38,7 +39,7 @@ def test_a_synthetic_target_loads_decodes_and_writes_its_gguf(arch, tokenizer_fo
     assert cfg.architecture == fields["architectures"][0] and cfg.qkv_bias == (arch == "qwen2")
     assert cfg.vocab_size == 97 and cfg.num_layers == 2 and cfg.eos_token_ids == [96]
     t = load_target(a, max_len=64)
-    assert t.model.bf16_exact()  # bf16 values, as such checkpoints ship
+    assert bf16_exact(t.model)  # bf16 values, as such checkpoints ship
     logits, _ = t.model.forward(torch.tensor([5, 6, 7]), t.model.batch([Segment(0, 0, 3)]),
                                 t.model.new_cache(1, 8))
     assert torch.isfinite(logits).all()

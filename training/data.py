@@ -49,6 +49,7 @@ from angelspec.runtime.backend import WEIGHTS, choose_weights
 from angelspec.runtime.engine import Engine, Request, settle_heap
 from angelspec.training.sources import HELDOUT_EVERY, held_out
 from angelspec.training.sources import prompts as draw_prompts
+from angelspec.weights import served_as
 
 FORMAT = 1
 GENERATION_BEFORE = {"weights": "float32"}  # generation settings of folders older than the key
@@ -250,7 +251,7 @@ def build(target: Target, out_dir, counts: dict[str, int], heldout: int, max_tok
     choice = choose_weights(target.model, weights, loaded=batch_size)  # timed at the job's load
     dtype = choice["dtype"]
     if dtype != target.model.weights:
-        target = dataclasses.replace(target, model=target.model.served_as(dtype))
+        target = dataclasses.replace(target, model=served_as(target.model, dtype))
     # int8 / int4 that give back the checkpoint's weights exactly compute the float32 model's
     # numbers, as bf16 values without AMX tiles do: the data is float32's (a float32 folder
     # resumes, an exact int4 engine reads it)

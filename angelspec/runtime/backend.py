@@ -11,6 +11,7 @@ import torch
 from angelspec.model import Llama, Segment
 from angelspec.plugins import amx_available, can_quantize, quantize
 from angelspec.plugins.linear import SCHEMES, WEIGHT_BITS, WITH_INT8_ACTIVATIONS
+from angelspec.weights import bf16_exact, gives_back, served_as
 
 BACKENDS = ("eager", "inductor")
 
@@ -82,27 +83,27 @@ def choose_weights(model, asked: str = "auto", loaded: int = 0) -> dict:
     step is timed at that load, and its fastest option chosen."""
     if asked not in WEIGHTS:
         raise ValueError(f"unknown weights {asked!r} ({', '.join(WEIGHTS)})")
-    amx, bf16_exact = amx_available(), model.bf16_exact()
+    amx, bf16_values = amx_available(), bf16_exact(model)
     given_back = set()  # int8 / int4 that dequantize to exactly the checkpoint's weights
     if asked in ("auto", "exact"):
         own = asked == "exact"  # the checkpoint's own outputs only
         dtype = "bfloat16" if amx and not own else "float32"
         why = ("exact: only options that compute the checkpoint's own outputs" if own else
                "AMX-BF16 tiles on this CPU" if amx else "no AMX-BF16 tiles on this CPU")
-        models = {dtype: model if dtype == "float32" else model.served_as(dtype)}
-        if not amx and bf16_exact:
-            models["bfloat16"] = model.served_as("bfloat16")
+        models = {dtype: model if dtype == "float32" else served_as(model, dtype)}
+        if not amx and bf16_values:
+            models["bfloat16"] = served_as(model, "bfloat16")
         w0 = model.layers[0]["down"]
         for scheme in ("int8", "int4"):  # one weight first: most checkpoints fail at once, cheaply
             if not (can_quantize(w0) and torch.equal(quantize(w0, scheme).dequantized(), w0)):
                 continue
-            q = model.served_as(scheme)
-            if model.gives_back(q):
+            q = served_as(model, scheme)
+            if gives_back(model, q):
                 twin = WITH_INT8_ACTIVATIONS[scheme]
                 models[scheme] = q
                 given_back |= {scheme, twin}
                 if not own:
-                    models[twin] = model.served_as(twin)
+                    models[twin] = served_as(model, twin)
         if len(models) > 1:
             times = {w: [] for w in models}
             for _ in range(3):  # in turns: a slow phase of a noisy machine hits all alike
@@ -129,10 +130,10 @@ def choose_weights(model, asked: str = "auto", loaded: int = 0) -> dict:
                      f" (for throughput at {requests} in flight, --weights {under_load})"))
     else:
         dtype, why = asked, "asked for"
-        if dtype in SCHEMES and model.gives_back(model.served_as(dtype)):
+        if dtype in SCHEMES and gives_back(model, served_as(model, dtype)):
             given_back.add(dtype)
     if dtype == "bfloat16":
-        why += ("; the checkpoint's weights are bf16 values (nothing rounded)" if bf16_exact else
+        why += ("; the checkpoint's weights are bf16 values (nothing rounded)" if bf16_values else
                 "; the checkpoint's float32 weights rounded to bf16")
         why += ("; multiplied on the AMX tiles, each matmul's input rounded to bf16" if amx else
                 "; widened to float32 by the float32 kernels as they are read (no AMX-BF16 tiles "
@@ -143,9 +144,9 @@ def choose_weights(model, asked: str = "auto", loaded: int = 0) -> dict:
                  "a scale and a minimum each (Q4_1), the logits' matmul int8") +
                 ("; activations float32 (weight-only)" if dtype in WITH_INT8_ACTIVATIONS else
                  "; each matmul's input rounded to int8 in blocks of 32, integer dot products"))
-    exact = dtype == "float32" or (dtype == "bfloat16" and bf16_exact) or dtype in given_back
+    exact = dtype == "float32" or (dtype == "bfloat16" and bf16_values) or dtype in given_back
     rounds = dtype in WITH_INT8_ACTIVATIONS.values() or (dtype == "bfloat16" and amx)
-    return {"dtype": dtype, "asked": asked, "why": why, "checkpoint_is_bf16": bf16_exact, "exact": exact,
+    return {"dtype": dtype, "asked": asked, "why": why, "checkpoint_is_bf16": bf16_values, "exact": exact,
             "own_outputs": exact and not rounds, "amx_tiles": dtype == "bfloat16" and amx}
 
 

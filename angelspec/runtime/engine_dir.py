@@ -26,6 +26,7 @@ from angelspec.runtime.cost import CostTable, fingerprint, profile
 from angelspec.runtime.engine import Engine
 from angelspec.runtime.manifest import EngineError, read_manifest
 from angelspec.runtime.router import DomainClassifier, Router
+from angelspec.weights import pack_bf16, serve
 
 
 def load_engine(path: str | pathlib.Path, max_batch: int = 8, max_len: int = DEFAULT_MAX_LEN,
@@ -50,9 +51,9 @@ def load_engine(path: str | pathlib.Path, max_batch: int = 8, max_len: int = DEF
     if weights is None:  # the checkpoint's own reference keeps float32 keys and values
         target.model.kv_dtype = KV_CACHES[manifest.kv_cache]
     if served in SCHEMES:
-        target.model.serve(served)
+        serve(target.model, served)
     if served == "bfloat16":
-        target.model.pack_bf16()
+        pack_bf16(target.model)
         if (manifest.weights.amx_tiles is not False) != amx_available():
             print("angelspec: this engine's bf16 weights were multiplied "
                   f"{'on' if manifest.weights.amx_tiles is not False else 'without'} AMX-BF16 tiles "
