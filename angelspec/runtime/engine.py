@@ -27,7 +27,7 @@ from angelspec.runtime.manifest import EngineManifest
 from angelspec.runtime.request import DrafterView, Event, Request, RequestState, Result
 from angelspec.runtime.router import Router, route_cost
 from angelspec.runtime.stats import EngineStats, Stats
-from angelspec.runtime.step import speculative_step
+from angelspec.runtime.step import StepContext, speculative_step
 from angelspec.runtime.threads import ThreadGovernor
 from angelspec.sampling import probs_from_logits
 
@@ -237,7 +237,10 @@ class Engine:
                 else:
                     self.active.append(s)
         if self.active:
-            events += [self._event(s, new) for s, new in speculative_step(self, self.active)]
+            record = speculative_step(self.step_context(), self.active)
+            if record.verified:
+                self.hooks.finished(record)
+            events += [self._event(s, new) for s, new in record.committed + record.failed]
             for s in [s for s in self.active if s.finish_reason]:
                 self.active.remove(s)
                 self._release(s)
@@ -260,6 +263,12 @@ class Engine:
         s.slot = -1
 
     # -- the work -----------------------------------------------------------------------------
+    def step_context(self) -> StepContext:
+        """What the step reads of this engine, as it stands now."""
+        return StepContext(self.model, self.cache, self.max_len, self.dcut, self.calibration, self.stats,
+                           self.hooks, self.router, self.drafter, self.curve, self.capture, self.commit,
+                           self.feed_drafters)
+
     def capture(self, states) -> tuple[int, ...]:
         return tuple(sorted({i for s in states for n in self.attached(s)
                              for i in self.drafters[n].capture}))
@@ -365,10 +374,10 @@ class Engine:
 
 
 def settle_heap() -> None:
-    """Hide every object alive now from the garbage collector (gc.freeze): torch's own ~0.2
-    million objects, the model and the drafters live as long as the process serves, and one full
-    collection over them (~0.34 million objects) took ~0.11 s on a 2-core CPU, a stall for every
-    request in flight, a few times a minute while ngram drafts. What is made later is collected as
+    """Hide every object alive now from the garbage collector (gc.freeze): torch's own objects,
+    the model and the drafters live as long as the process serves, and a full collection over
+    them is a stall for every request in flight, a few times a minute while ngram drafts (its
+    cost: docs/results/design-measurements.md). What is made later is collected as
     usual; what was hidden and has died since (an earlier engine of the same process) is
     collected here. Called once an engine is warm (a server's, a benchmark's, the data step's)."""
     gc.unfreeze()

@@ -5,7 +5,7 @@ profiled C_B(n), the thread governor)."""
 from __future__ import annotations
 
 from angelspec.runtime.request import RequestState
-from angelspec.runtime.step import propose
+from angelspec.runtime.step import StepContext, StepRecord, propose
 
 
 class StepHooks:
@@ -41,7 +41,7 @@ class StepHooks:
     def t_fixed(self, batch: int) -> float:
         return max(self.t_fixed_ema + self.fwd_offset.get(batch, 0.0), 0.0)
 
-    def shadow(self, active: list[RequestState], names: list[str]) -> None:
+    def shadow(self, ctx: StepContext, active: list[RequestState], names: list[str]) -> None:
         """Routed requests: every few steps one other candidate drafts too, for the router to
         score once the target's tokens are known. Not for a request that does not draft this
         step (names[i] "none": the gate sat its drafter out, or it is on its last token): under
@@ -63,7 +63,7 @@ class StepHooks:
                     due[i] = name
         if due:
             idx = list(due)
-            props, _ = propose(e, [active[i] for i in idx], [due[i] for i in idx], shadow=True)
+            props, _ = propose(ctx, [active[i] for i in idx], [due[i] for i in idx], shadow=True)
             for i, p in zip(idx, props):
                 e.router.record(active[i].route, due[i], len(active[i].tokens), p)
 
@@ -84,22 +84,21 @@ class StepHooks:
             s.drafter = self.engine.router.observe(s.route, s.drafter, accepted, drafted, s.tokens,
                                                    self.curve)
 
-    def finished(self, names, props, verdicts, drafting: dict, book: dict, fresh: set, total: float,
-                 t_draft: float, t_fwd: float, committed: int, n_tokens: int) -> None:
-        """The step's end: the gate learns what each drafter cost (its proposals, `drafting`, and
-        the step's handling of its drafts, `book`: step.bookkeeping; not timed where a request
-        proposed for the first time, `fresh`) and brought; T_fixed (the rest of the step outside
+    def finished(self, r: StepRecord) -> None:
+        """The step's end: the gate learns what each drafter cost (its proposals, r.drafting, and
+        the step's handling of its drafts, r.book: step.bookkeeping; not timed where a request
+        proposed for the first time, r.fresh) and brought; T_fixed (the rest of the step outside
         the forward) and the router's step costs move."""
         if self.gate is not None:
-            for name, seconds in drafting.items():
-                mine = [(len(p.tokens), v[0]) for n, p, v in zip(names, props, verdicts) if n == name]
-                self.gate.observe(name, len(mine), seconds + book.get(name, 0.0),
-                                  sum(k for k, _ in mine), sum(a for _, a in mine), timed=name not in fresh)
-        stats = self.engine.stats
-        stats.draft_time += t_draft
-        stats.forward_time += t_fwd
-        spent = total - t_draft - sum(book.values()) - t_fwd
+            for name, seconds in r.drafting.items():
+                mine = [(len(p.tokens), v[0]) for n, p, v in zip(r.names, r.props, r.verdicts) if n == name]
+                self.gate.observe(name, len(mine), seconds + r.book.get(name, 0.0),
+                                  sum(k for k, _ in mine), sum(a for _, a in mine), timed=name not in r.fresh)
+        stats, t = self.engine.stats, r.times
+        stats.draft_time += t["draft"]
+        stats.forward_time += t["forward"]
+        spent = t["step"] - t["draft"] - sum(r.book.values()) - t["forward"]
         first = stats.steps == 1
         self.t_fixed_ema = spent if first else 0.9 * self.t_fixed_ema + 0.1 * spent
         if self.engine.router is not None:
-            self.engine.router.add_step(total, committed, n_tokens)
+            self.engine.router.add_step(t["step"], sum(len(c) for _, c in r.committed), r.verified)
