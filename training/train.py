@@ -281,13 +281,82 @@ def build_datastore(recipe: Recipe, target, progress: bool = True) -> dict:
     return {"out": str(out), "responses": len(responses), "tokens": total, "entries": len(store.table)}
 
 
-def train(recipe: Recipe, target, progress: bool = True, restart: bool = False,
-          only_eval: bool = False) -> dict:
-    """Train (or resume) the recipe's draft; only_eval: the held-out metrics of the draft saved
-    in the recipe's `out`, nothing trained."""
-    if recipe.kind == "ngram":
-        return build_datastore(recipe, target, progress)
+@dataclasses.dataclass
+class Setup:
+    """What training (or evaluating) a draft works on: the recipe's data split, the draft and the
+    frozen target it reads, and this process's place among the torchrun processes."""
+    recipe: Recipe
+    out: pathlib.Path
+    cfg: DraftConfig
+    layers: list[int]  # the target layers whose cached features the draft reads
+    prompt_from: int | None  # where prompt positions start teaching (collate's prompt_from)
+    seqs: Sequences
+    val: list[int]
+    train_idx: list[int]
+    outside: tuple | None  # load_outside's (sequences, indices)
+    model: torch.nn.Module
+    fz: Frozen
+    resume: bool  # the draft (and, training, its optimizer state) came from `out`
+    world: int
+    rank: int
 
+
+@dataclasses.dataclass
+class Budget:
+    """Training done so far, saved with the draft: `step`s and `seen` (labelled positions trained
+    on, training seconds), against the recipe's `total` steps and `budget` seconds (0: none)."""
+    step: int
+    seen: dict
+    total: int
+    budget: float
+
+    def spent(self) -> float:
+        """The share of the budget spent: steps, or minutes when sooner."""
+        return max(self.step / self.total if self.total else 0.0,
+                   self.seen["seconds"] / self.budget if self.budget else 0.0)
+
+
+def _split(recipe: Recipe, seqs: Sequences) -> tuple[list[int], list[int]]:
+    """(held-out, training) indices of the recipe's domains, shuffled by the recipe's seed."""
+    wanted = {DOMAINS.index(d) for d in recipe.domains}
+    chosen = [i for i in range(len(seqs)) if seqs.ids(i)["domain"] in wanted]
+    order = torch.randperm(len(chosen), generator=torch.Generator().manual_seed(recipe.seed))
+    chosen = [chosen[i] for i in order]
+    n_val = min(recipe.val_sequences, len(chosen) // 5)
+    val, train_idx = chosen[:n_val], chosen[n_val:][: recipe.train_sequences or None]
+    if not train_idx:
+        raise ValueError(f"no training sequences of domains {recipe.domains} in {recipe.data}"
+                         ": run `angelspec data` with those domains")
+    return val, train_idx
+
+
+def _draft(recipe: Recipe, target, cfg: DraftConfig, seqs, val, train_idx, resume: bool,
+           only_eval: bool):
+    """(cfg, model, fz): the draft saved in the recipe's `out` when resuming, else a new one
+    (its draft vocabulary and coverage chosen from the training responses)."""
+    out = pathlib.Path(recipe.out)
+    if resume:
+        saved_cfg, weights = load_draft(out, target)
+        if saved_cfg.kind != cfg.kind:
+            raise ValueError(f"{out} holds a {saved_cfg.kind} draft, not {cfg.kind}: pass another "
+                             "out=" + ("" if only_eval else " or --restart"))
+        cfg = dataclasses.replace(saved_cfg)
+        model = MODELS[cfg.kind](cfg)
+        model.load_state_dict(weights)
+        return cfg, model, Frozen(target.model, model.vocab_ids)
+    torch.manual_seed(recipe.seed)
+    model = MODELS[cfg.kind](cfg)
+    vocab = draft_vocab(seqs, train_idx, cfg.draft_vocab, cfg.vocab_size, target.eos_ids)
+    model.vocab_ids.copy_(vocab)
+    cfg.notes["vocab_coverage"] = vocab_coverage(seqs, train_idx, val, cfg.vocab_size, target.eos_ids)
+    fz = Frozen(target.model, model.vocab_ids)
+    if recipe.init_from_target:
+        init_from_target(model, target, fz)
+    return cfg, model, fz
+
+
+def _setup(recipe: Recipe, target, progress: bool, restart: bool, only_eval: bool) -> Setup:
+    """Join the torchrun processes, read the data and split it, load or make the draft."""
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
@@ -303,153 +372,164 @@ def train(recipe: Recipe, target, progress: bool = True, restart: bool = False,
     if hard_prompts:
         ensure_teachers(recipe.data, target, progress and rank == 0)
     seqs = Sequences(recipe.data, layers=layers, teacher=hard_prompts)
-    wanted = {DOMAINS.index(d) for d in recipe.domains}
-    chosen = [i for i in range(len(seqs)) if seqs.ids(i)["domain"] in wanted]
-    order = torch.randperm(len(chosen), generator=torch.Generator().manual_seed(recipe.seed))
-    chosen = [chosen[i] for i in order]
-    n_val = min(recipe.val_sequences, len(chosen) // 5)
-    val, train_idx = chosen[:n_val], chosen[n_val:][: recipe.train_sequences or None]
-    if not train_idx:
-        raise ValueError(f"no training sequences of domains {recipe.domains} in {recipe.data}"
-                         ": run `angelspec data` with those domains")
-
+    val, train_idx = _split(recipe, seqs)
     outside = load_outside(recipe, target, layers, seqs.manifest["generation"]["weights"])
+    resume = only_eval or ((out / "train_state.pt").exists() and not restart)
+    cfg, model, fz = _draft(recipe, target, cfg, seqs, val, train_idx, resume, only_eval)
+    return Setup(recipe, out, cfg, layers, prompt_from, seqs, val, train_idx, outside, model, fz,
+                 resume, world, rank)
 
-    def evaluations() -> dict:
-        got = evaluate(model, fz, recipe, seqs, val, layers)
-        if outside:
-            got.update(evaluate(model, fz, recipe, *outside, layers, "outside", objective=False))
-        return {k: round(v, 4) for k, v in got.items()}
 
-    state_file = out / "train_state.pt"
-    resume = only_eval or (state_file.exists() and not restart)
-    if resume:
-        saved_cfg, weights = load_draft(out, target)
-        if saved_cfg.kind != cfg.kind:
-            raise ValueError(f"{out} holds a {saved_cfg.kind} draft, not {cfg.kind}: pass another "
-                             "out=" + ("" if only_eval else " or --restart"))
-        cfg = dataclasses.replace(saved_cfg)
-        model = MODELS[cfg.kind](cfg)
-        model.load_state_dict(weights)
-        fz = Frozen(target.model, model.vocab_ids)
-        if only_eval:
-            return {"out": str(out), "step": cfg.trained_steps, "val_sequences": len(val), **evaluations(),
-                    "vocab_coverage": cfg.notes.get("vocab_coverage")}
-    else:
-        torch.manual_seed(recipe.seed)
-        model = MODELS[cfg.kind](cfg)
-        vocab = draft_vocab(seqs, train_idx, cfg.draft_vocab, cfg.vocab_size, target.eos_ids)
-        model.vocab_ids.copy_(vocab)
-        cfg.notes["vocab_coverage"] = vocab_coverage(seqs, train_idx, val, cfg.vocab_size, target.eos_ids)
-        fz = Frozen(target.model, model.vocab_ids)
-        if recipe.init_from_target:
-            init_from_target(model, target, fz)
-    objective = Objective(model, fz, recipe)
-    wrapped = torch.nn.parallel.DistributedDataParallel(objective) if world > 1 else objective
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=recipe.lr,
-                            weight_decay=recipe.weight_decay, betas=(0.9, 0.95))
+def _evaluations(s: Setup) -> dict:
+    """The held-out metrics (evaluate), and those of outside_data's responses, rounded."""
+    got = evaluate(s.model, s.fz, s.recipe, s.seqs, s.val, s.layers)
+    if s.outside:
+        got.update(evaluate(s.model, s.fz, s.recipe, *s.outside, s.layers, "outside", objective=False))
+    return {k: round(v, 4) for k, v in got.items()}
+
+
+def _optimizer(s: Setup) -> tuple[torch.optim.Optimizer, Budget]:
+    """The optimizer and the training done so far: both from `train_state.pt` when resuming."""
+    r = s.recipe
+    opt = torch.optim.AdamW([p for p in s.model.parameters() if p.requires_grad], lr=r.lr,
+                            weight_decay=r.weight_decay, betas=(0.9, 0.95))
     step, seen = 0, {"tokens": 0, "seconds": 0.0}  # labelled positions trained on, training time
-    if resume:
-        st = torch.load(state_file, weights_only=False)
-        if st["recipe"]["data"] != recipe.data:
-            raise ValueError(f"{out} was trained on {st['recipe']['data']}, not {recipe.data}: "
+    if s.resume:
+        st = torch.load(s.out / "train_state.pt", weights_only=False)
+        if st["recipe"]["data"] != r.data:
+            raise ValueError(f"{s.out} was trained on {st['recipe']['data']}, not {r.data}: "
                              "pass another out= or --restart")
         opt.load_state_dict(st["optimizer"])
         step, seen = st["step"], st.get("seen", {"tokens": 0, "seconds": 0.0})
-    total, budget = recipe.steps, recipe.minutes * 60
-    if (total and step >= total) or (budget and seen["seconds"] >= budget):
-        if rank == 0:
-            print(f"{out}: already trained for {step} steps, {seen['seconds'] / 60:.1f} min "
-                  "(pass --restart to train again)")
-        return {"step": step, "out": str(out)}
+    return opt, Budget(step, seen, r.steps, r.minutes * 60)
 
-    per_step = recipe.batch_size * world
-    per_epoch = max(1, len(train_idx) // per_step)
-    log = None
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        log_file = out / "log.jsonl"
-        rows = log_file.read_text().splitlines() if resume and log_file.exists() else []
-        kept = [r for r in rows if json.loads(r)["step"] <= step]  # drop steps after the save
-        log_file.write_text("".join(r + "\n" for r in kept))
-        log = log_file.open("a")
 
-    def save():
-        if rank == 0:
-            cfg.trained_steps = step
-            save_draft(out, cfg, model.state_dict())
-            torch.save({"step": step, "optimizer": opt.state_dict(), "recipe": recipe.to_dict(), "seen": seen},
-                       state_file.with_suffix(".tmp"))
-            state_file.with_suffix(".tmp").replace(state_file)
-        if world > 1:
-            dist.barrier()
+def _open_log(s: Setup, step: int):
+    """`<out>/log.jsonl` open for appending on rank 0 (None elsewhere): a resumed run keeps the
+    rows up to its saved step, a new one starts it empty."""
+    if s.rank != 0:
+        return None
+    s.out.mkdir(parents=True, exist_ok=True)
+    log_file = s.out / "log.jsonl"
+    rows = log_file.read_text().splitlines() if s.resume and log_file.exists() else []
+    kept = [r for r in rows if json.loads(r)["step"] <= step]  # drop steps after the save
+    log_file.write_text("".join(r + "\n" for r in kept))
+    return log_file.open("a")
 
-    bf16 = use_bf16(recipe.autocast)
-    def stop_now(mine: bool) -> bool:  # every process stops at rank 0's step (their clocks differ)
-        if world == 1:
-            return mine
-        flag = torch.tensor([float(mine)])
-        dist.broadcast(flag, 0)
-        return bool(flag.item())
 
-    def progress_at() -> float:  # the share of the budget spent: steps, or minutes when sooner
-        return max(step / total if total else 0.0, seen["seconds"] / budget if budget else 0.0)
+def _save(s: Setup, opt, at: Budget) -> None:
+    """The draft and `train_state.pt` (optimizer, step, seen; replaced whole) from rank 0; every
+    process waits for it."""
+    if s.rank == 0:
+        s.cfg.trained_steps = at.step
+        save_draft(s.out, s.cfg, s.model.state_dict())
+        state_file = s.out / "train_state.pt"
+        torch.save({"step": at.step, "optimizer": opt.state_dict(), "recipe": s.recipe.to_dict(),
+                    "seen": at.seen}, state_file.with_suffix(".tmp"))
+        state_file.with_suffix(".tmp").replace(state_file)
+    if s.world > 1:
+        dist.barrier()
 
-    bar = tqdm(total=100, initial=round(100 * progress_at(), 1), desc=f"train {cfg.kind}",
+
+def _stop_now(s: Setup, mine: bool) -> bool:
+    """Every process stops at rank 0's step (their clocks differ)."""
+    if s.world == 1:
+        return mine
+    flag = torch.tensor([float(mine)])
+    dist.broadcast(flag, 0)
+    return bool(flag.item())
+
+
+def _batch(s: Setup, at: Budget, per_step: int, per_epoch: int):
+    """This process's share of the step's batch, collated, and the objective's extra arguments
+    (DFly/DFlash: anchors, the loss, the AR head's own-token share ramped up from 0)."""
+    r = s.recipe
+    epoch, k = divmod(at.step, per_epoch)
+    perm = torch.randperm(len(s.train_idx), generator=torch.Generator().manual_seed(r.seed * 1000 + epoch))
+    mine = [s.train_idx[int(j)] for j in perm[k * per_step: (k + 1) * per_step][s.rank::s.world]]
+    tokens, label_ok, feats, labels = collate([s.seqs[i] for i in mine], r.max_seq_len, s.layers,
+                                              s.prompt_from)
+    extra = {}
+    if s.cfg.kind != "mtp":
+        g = torch.Generator().manual_seed(r.seed * 7919 + at.step * 31 + s.rank)
+        extra = dict(zip(("anchors", "valid"), sample_anchors(label_ok, s.cfg.block_size, r.anchors, g)))
+        extra["loss"] = "tv" if at.spent() >= 1 - r.tv_fraction else "ce"
+        extra["own"], extra["generator"] = r.ar_own * at.spent(), g
+    return tokens, label_ok, feats, labels, extra
+
+
+def _loop(s: Setup, wrapped, opt, at: Budget, log, progress: bool) -> dict:
+    """Step until the budget is spent: a log row every step, evaluations every eval_every steps
+    and at the end, a save every save_every steps and at the end; the last row."""
+    r = s.recipe
+    per_step = r.batch_size * s.world
+    per_epoch = max(1, len(s.train_idx) // per_step)
+    bf16 = use_bf16(r.autocast)
+    bar = tqdm(total=100, initial=round(100 * at.spent(), 1), desc=f"train {s.cfg.kind}",
                unit="%", bar_format="{l_bar}{bar}| {n:.1f}% [{elapsed}<{remaining}{postfix}]",
-               disable=not progress or rank > 0)
+               disable=not progress or s.rank > 0)
     tokens_here, here_s, done = 0, 0.0, False  # this run's, for its speed
     while not done:
         t0 = time.perf_counter()
-        epoch, k = divmod(step, per_epoch)
-        perm = torch.randperm(len(train_idx), generator=torch.Generator().manual_seed(
-            recipe.seed * 1000 + epoch))
-        mine = [train_idx[int(j)] for j in perm[k * per_step: (k + 1) * per_step][rank::world]]
-        tokens, label_ok, feats, labels = collate([seqs[i] for i in mine], recipe.max_seq_len,
-                                                  layers, prompt_from)
-        extra = {}
-        if cfg.kind != "mtp":
-            g = torch.Generator().manual_seed(recipe.seed * 7919 + step * 31 + rank)
-            extra = dict(zip(("anchors", "valid"),
-                             sample_anchors(label_ok, cfg.block_size, recipe.anchors, g)))
-            extra["loss"] = "tv" if progress_at() >= 1 - recipe.tv_fraction else "ce"
-            extra["own"], extra["generator"] = recipe.ar_own * progress_at(), g  # ramped up from 0
+        tokens, label_ok, feats, labels, extra = _batch(s, at, per_step, per_epoch)
         for group in opt.param_groups:
-            group["lr"] = recipe.lr * cosine_lr(step, progress_at(), recipe.warmup)
+            group["lr"] = r.lr * cosine_lr(at.step, at.spent(), r.warmup)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             loss, metrics = wrapped(tokens, label_ok, feats, labels, **extra)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
+        torch.nn.utils.clip_grad_norm_(s.model.parameters(), r.grad_clip)
         opt.step()
-        step += 1
-        took, labelled = time.perf_counter() - t0, int(label_ok.sum()) * world
+        at.step += 1
+        took, labelled = time.perf_counter() - t0, int(label_ok.sum()) * s.world
         tokens_here, here_s = tokens_here + labelled, here_s + took
-        seen["tokens"] += labelled
-        seen["seconds"] += took
-        row = {"step": step, "lr": opt.param_groups[0]["lr"],
+        at.seen["tokens"] += labelled
+        at.seen["seconds"] += took
+        row = {"step": at.step, "lr": opt.param_groups[0]["lr"],
                **{k: round(v, 4) for k, v in metrics.items()},
-               "tokens": seen["tokens"], "tokens_per_s": round(tokens_here / here_s, 1)}
-        done = stop_now(progress_at() >= 1)
-        if step % recipe.eval_every == 0 or done:
+               "tokens": at.seen["tokens"], "tokens_per_s": round(tokens_here / here_s, 1)}
+        done = _stop_now(s, at.spent() >= 1)
+        if at.step % r.eval_every == 0 or done:
             t1 = time.perf_counter()
-            row.update(evaluations())
-            seen["seconds"] += time.perf_counter() - t1  # the budget counts evaluations too
-            done = stop_now(progress_at() >= 1)  # an evaluation that spent the budget is the last
-        row["seconds"] = round(seen["seconds"], 2)
+            row.update(_evaluations(s))
+            at.seen["seconds"] += time.perf_counter() - t1  # the budget counts evaluations too
+            done = _stop_now(s, at.spent() >= 1)  # an evaluation that spent the budget is the last
+        row["seconds"] = round(at.seen["seconds"], 2)
         if log:
             log.write(json.dumps(row) + "\n")
             log.flush()
         bar.set_postfix({k: v for k, v in row.items() if k in ("step", "loss", "acc", "acc1", "tau", "val_tau",
                                                              "val_alpha1")})
-        bar.update(round(100 * min(1.0, progress_at()), 1) - bar.n)
-        if step % recipe.save_every == 0 or done:
-            save()
+        bar.update(round(100 * min(1.0, at.spent()), 1) - bar.n)
+        if at.step % r.save_every == 0 or done:
+            _save(s, opt, at)
     bar.close()
-    if world > 1:  # identical weights on every rank is what DDP promises: record it
-        flat = torch.cat([p.detach().flatten() for p in model.parameters()])
-        (out / f"rank{rank}.sha256").write_text(hashlib.sha256(flat.numpy().tobytes()).hexdigest())
-    return {"step": step, "out": str(out), **row}
+    return row
+
+
+def train(recipe: Recipe, target, progress: bool = True, restart: bool = False,
+          only_eval: bool = False) -> dict:
+    """Train (or resume) the recipe's draft; only_eval: the held-out metrics of the draft saved
+    in the recipe's `out`, nothing trained."""
+    if recipe.kind == "ngram":
+        return build_datastore(recipe, target, progress)
+    s = _setup(recipe, target, progress, restart, only_eval)
+    if only_eval:
+        return {"out": str(s.out), "step": s.cfg.trained_steps, "val_sequences": len(s.val),
+                **_evaluations(s), "vocab_coverage": s.cfg.notes.get("vocab_coverage")}
+    objective = Objective(s.model, s.fz, recipe)
+    wrapped = torch.nn.parallel.DistributedDataParallel(objective) if s.world > 1 else objective
+    opt, at = _optimizer(s)
+    if (at.total and at.step >= at.total) or (at.budget and at.seen["seconds"] >= at.budget):
+        if s.rank == 0:
+            print(f"{s.out}: already trained for {at.step} steps, {at.seen['seconds'] / 60:.1f} min "
+                  "(pass --restart to train again)")
+        return {"step": at.step, "out": str(s.out)}
+    row = _loop(s, wrapped, opt, at, _open_log(s, at.step), progress)
+    if s.world > 1:  # identical weights on every rank is what DDP promises: record it
+        flat = torch.cat([p.detach().flatten() for p in s.model.parameters()])
+        (s.out / f"rank{s.rank}.sha256").write_text(hashlib.sha256(flat.numpy().tobytes()).hexdigest())
+    return {"step": at.step, "out": str(s.out), **row}
 
 
 def add_arguments(p) -> None:
