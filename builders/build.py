@@ -29,6 +29,7 @@ from angelspec.drafters import TRAINED, Datastore, make_drafter, parse_spec, par
 from angelspec.model import KV_CACHES
 from angelspec.plugins import RATIOS, SKINNY_MAX_ROWS
 from angelspec.prompts import CALIBRATION_PROMPTS, DEFAULT_PROMPTS, DOMAINS, load_prompts
+from angelspec.record import add_record_option, record_run
 from angelspec.runtime import Engine, Request, SamplingParams
 from angelspec.runtime.backend import WEIGHTS, choose_weights, fidelity, use_backend
 from angelspec.runtime.cost import fingerprint, profile
@@ -44,6 +45,7 @@ from angelspec.runtime.manifest import (
 )
 from angelspec.runtime.router import CANDIDATES, DEFAULT_ROUTES, DomainClassifier, Router, contenders
 from angelspec.synthetic_target import is_synthetic
+from angelspec.weights import serve, served_as
 
 DRAFT_FILES = ("config.json", "model.safetensors")
 
@@ -235,13 +237,13 @@ def _build(target_dir: pathlib.Path, drafts_dir: pathlib.Path, out: pathlib.Path
         kv_cache = "float32" if weights["own_outputs"] else "bfloat16"
     if not (weights["own_outputs"] and kv_cache == "float32") and not is_synthetic(target_dir):
         # lossless against the served weights, not the checkpoint: say what that costs
-        served = target.model.served_as(weights["dtype"])
+        served = served_as(target.model, weights["dtype"])
         served.kv_dtype = KV_CACHES[kv_cache]
         weights["fidelity"] = fidelity(target.model, served, [target.encode_chat(p["prompt"])
                                                               for p in load_prompts(DEFAULT_PROMPTS)])
         del served
     target.model.kv_dtype = KV_CACHES[kv_cache]
-    target.model.serve(weights["dtype"])  # everything below is measured as it will serve
+    serve(target.model, weights["dtype"])  # everything below is measured as it will serve
     kinds = [k for k in drafters if k != "ngram"] if drafters else \
         [k for k in TRAINED if (drafts_dir / k / "config.json").exists()]  # ngram: always
     bar = tqdm(total=6, desc="build", unit="step", file=sys.stderr)
@@ -377,6 +379,7 @@ def add_arguments(p) -> None:
                         "values without AMX tiles), else bfloat16 (bf16 on AMX tiles, w8a8 / w4a8, "
                         "which round the activations already)")
     p.add_argument("--no-dcut", action="store_true", help="serve with a fixed draft length by default")
+    add_record_option(p)
     p.add_argument("--export", choices=["trtllm", "tensorrt"], default=None,
                    help="also write <out>/trtllm/ (the drafts and an LLM-API YAML for TensorRT-LLM) "
                         "or <out>/tensorrt/ (target, DFly/DFlash drafts and D-cut as ONNX graphs "
@@ -427,4 +430,6 @@ def run(args) -> int:
     if prof.get("per_key_ns"):
         print(f"    measured after {prof['context']} keys a request; each key beyond (or short of) that "
               f"adds (or saves) {prof['per_key_ns']:.0f} ns a verified token")
+    record_run(args, "build", json.loads((out / "engine.json").read_text()),
+               f"angelspec build of {args.target} into {args.out}: weights {args.weights}, backends {args.backends}")
     return 0

@@ -16,7 +16,7 @@ LAYERS = [
     "angelspec.runtime",
     "angelspec.drafters",
     "angelspec.checkpoint : angelspec.default_target : angelspec.synthetic_target : angelspec.sampling"
-    " : angelspec.prompts : angelspec.text : angelspec.params",
+    " : angelspec.prompts : angelspec.text : angelspec.params : angelspec.weights : angelspec.record",
     "angelspec.model",
     "angelspec.pages",
     "angelspec.plugins",

@@ -1,6 +1,7 @@
 """The results records and the tables generated from them: every record in docs/results holds the
 required keys, the committed tables are what `make results` writes, and `write_record` fills in
 the commit, the date and the CPU. No torch."""
+import argparse
 import json
 import pathlib
 import re
@@ -8,7 +9,8 @@ import shutil
 
 import pytest
 
-from angelspec.bench import record, results
+from angelspec import record
+from angelspec.bench import results
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RECORDS = sorted((ROOT / "docs/results").glob("*.json"))
@@ -94,3 +96,17 @@ def test_a_record_that_would_be_malformed_is_refused(tmp_path):
     undated = {"what": "x", "commit": None, "cpu": "c", "isa": "AVX2", "commands": ["x"], "n": 1}
     assert "missing date" in record.problems(undated)
     assert record.this_commit(tmp_path) is None
+
+
+def test_record_writes_the_command_line_and_its_figures(tmp_path, monkeypatch):
+    """`--record NAME` (bench, perf, openai-bench, aiperf, build): the command as typed, the
+    tool's figures under its name; without it, nothing is written."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.argv", ["angelspec", "bench", "--drafters", "ar,ngram", "--record", "smoke"])
+    record.record_run(argparse.Namespace(record=None), "bench", {"rows": [1]}, "a smoke run")
+    assert not (tmp_path / "docs").exists()
+    record.record_run(argparse.Namespace(record="smoke"), "bench", {"rows": [1]}, "a smoke run")
+    (path,) = (tmp_path / "docs/results").glob("*-smoke.json")
+    rec = json.loads(path.read_text())
+    assert record.problems(rec) == [] and rec["bench"] == {"rows": [1]}
+    assert rec["commands"] == ["angelspec bench --drafters ar,ngram --record smoke"]
