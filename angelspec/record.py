@@ -40,8 +40,9 @@ TIME = re.compile(r"^\d{2}:\d{2}$")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def cpu_flags(cpuinfo: str | None = None) -> tuple[str, set[str]]:
-    """(model name, flags) of the first processor in /proc/cpuinfo (or the given text)."""
+def read_cpuinfo(cpuinfo: str | None = None) -> tuple[str, set[str]]:
+    """(model name, flags) of the first processor in /proc/cpuinfo (or the given text); the
+    model name is empty where the file does not give one (not Linux)."""
     if cpuinfo is None:
         try:
             cpuinfo = pathlib.Path("/proc/cpuinfo").read_text()
@@ -55,7 +56,7 @@ def cpu_flags(cpuinfo: str | None = None) -> tuple[str, set[str]]:
             model = " ".join(value.split())
         elif key == "flags" and not flags:
             flags = set(value.split())
-    return model or "unknown CPU", flags
+    return model, flags
 
 
 def isa_of(flags: set[str]) -> str:
@@ -75,7 +76,8 @@ ISA_WORDS = {"AMX-BF16": "AVX-512 with AMX-BF16 tiles", "AVX-512+BF16": "AVX-512
 
 def this_cpu(cpuinfo: str | None = None, cores: int | None = None) -> tuple[str, str]:
     """(cpu, isa) of this machine: its model name, its relevant instruction sets and its cores."""
-    model, flags = cpu_flags(cpuinfo)
+    model, flags = read_cpuinfo(cpuinfo)
+    model = model or "unknown CPU"
     isa = isa_of(flags)
     words = ISA_WORDS[isa]
     if isa == "AMX-BF16" and "amx_int8" in flags:

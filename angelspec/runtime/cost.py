@@ -15,24 +15,16 @@ import torch
 from angelspec.model import Segment
 from angelspec.plugins import SKINNY_MAX_ROWS
 from angelspec.plugins.build import sources_hash
-
-
-def _cpuinfo(field: str) -> str | None:
-    """The first `field` line of /proc/cpuinfo (Linux), or None."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith(field)), None)
-    except OSError:
-        return None
+from angelspec.record import read_cpuinfo
 
 
 def cpu_model() -> str:
-    return _cpuinfo("model name") or platform.processor() or platform.machine()
+    return read_cpuinfo()[0] or platform.processor() or platform.machine()
 
 
 def cpu_flags() -> set[str]:
     """This CPU's feature flags as Linux names them."""
-    return set((_cpuinfo("flags") or "").split())
+    return read_cpuinfo()[1]
 
 
 def fingerprint(backend: str = "eager", weights: str = "float32") -> dict:
