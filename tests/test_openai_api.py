@@ -215,15 +215,18 @@ def _held_open(api, stream: bool) -> socket.socket:
 
 @pytest.mark.parametrize("stream", [True, False], ids=["streaming", "not streaming"])
 def test_a_client_that_goes_away_frees_its_slot_within_two_steps(api, stream):
-    """Counted from the first look after the close: a steady stream of tiny steps (~1-2 ms)
-    meanwhile, so a slot held for the 10 ms of a time-based check already fails this."""
-    sock = _held_open(api, stream)
-    time.sleep(0.2)  # decoding for a while: chunks flowing (streaming) or held (not)
-    assert metrics(api)[0] == 1
-    t0 = time.time()
-    sock.close()
-    steps = _wait_free(api)
-    assert steps <= 2, f"{steps:.0f} engine steps ran in the {time.time() - t0:.3f} s after the client went away"
+    """Counted from the first look after the close, while a steady stream of small steps runs,
+    so a slot held for ~10 ms (a time-based check) already fails this. Three tries, judged by
+    their median: the hops between the client and the engine (frontend, gRPC, Triton) take
+    time, not steps, and a busy 2-core machine stretches one now and then."""
+    tries = []
+    for _ in range(3):
+        sock = _held_open(api, stream)
+        time.sleep(0.2)  # decoding for a while: chunks flowing (streaming) or held (not)
+        assert metrics(api)[0] == 1
+        sock.close()
+        tries.append(_wait_free(api))
+    assert sorted(tries)[1] <= 2, f"engine steps run after each client went away: {tries}"
 
 
 def test_eight_abandoned_requests_then_eight_new_ones_none_refused(api):
