@@ -12,6 +12,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstring>
 #include <functional>
@@ -90,7 +91,112 @@ class SpinBarrier {
 
 // Forwards of up to this many rows with int8 dot products run in one parallel region (run_region).
 constexpr int64_t kRegionRows = 16;
+
+// Buffers of `sizes` floats one after the other in `buf` (grown as needed, kept from call to call).
+template <size_t K>
+std::array<float*, K> carve(std::vector<float>& buf, const int64_t (&sizes)[K]) {
+  int64_t total = 0;
+  for (int64_t size : sizes) total += size;
+  if (static_cast<int64_t>(buf.size()) < total) buf.resize(total);
+  std::array<float*, K> at;
+  for (size_t i = 0, o = 0; i < K; o += sizes[i++]) at[i] = buf.data() + o;
+  return at;
+}
+
+// How through_layers runs on the calling thread alone: each matmul (any weight kind) and the
+// attention parallel inside, as their torch ops run them; nothing to meet at, every step its own.
+struct Serial {
+  int64_t n;
+  void matmul(const Matmul& m, const float* in, float* y) const { m(in, y, n); }
+  // the attention's work items [0, total), as attend_rows shares them
+  template <class F>
+  void share(int64_t total, const F& f) const { at::parallel_for(0, total, 1, f); }
+  void wait(const Matmul*) const {}
+  template <class F>
+  void once(const F& f) const { f(); }
+};
+
+// How through_layers runs on each thread of run_region's parallel region: a thread takes its
+// share of each matmul's tiles (int8 dot products: x rounded by every thread, its tiles with
+// their bias) and of the attention's items, meets the others at `meet` after each, and fetches
+// its share of the next matmul while it waits there (Ahead).
+class Region {
+ public:
+  Region(SpinBarrier& meet, int64_t n) : meet_(meet), n_(n), t_(omp_get_thread_num()), T_(omp_get_num_threads()) {}
+
+  // y = m(in): this thread rounds `in` (its own scratch) and computes its share of the tiles
+  // (with their bias); the others' shares are in y after the next meeting
+  void matmul(const Matmul& m, const float* in, float* y) const {
+    const DotInput xq = quant_dot_input(in, n_, m.in, m.bits);
+    share(m.out / 16, [&](int64_t a, int64_t b) {
+      m.tiles(xq, y, n_, a, b);
+      m.add_bias(y, n_, 16 * a, 16 * b);
+    });
+  }
+  template <class F>
+  void share(int64_t total, const F& f) const {
+    const auto [a, b] = part(total);
+    if (a < b) f(a, b);
+  }
+  // `next`: the matmul after the meeting (none: nothing to fetch)
+  void wait(const Matmul* next) { meet_.wait(T_, next ? ahead_for(*next) : nullptr); }
+  template <class F>
+  void once(const F& f) const {
+    if (t_ == 0) f();
+  }
+
+ private:
+  SpinBarrier& meet_;
+  const int64_t n_, t_, T_;
+  Ahead ahead_;
+
+  // this thread's share [a, b) of `total` items, in contiguous runs as at::parallel_for's
+  std::pair<int64_t, int64_t> part(int64_t total) const {
+    const int64_t per = (total + T_ - 1) / T_, a = std::min(total, t_ * per);
+    return {a, std::min(total, a + per)};
+  }
+  // `ahead` for the meetings before matmul m: this thread's part of m's tiles; set at the first
+  // of them, later ones go on where it stopped
+  Ahead* ahead_for(const Matmul& m) {
+    if (ahead_.of != &m) {
+      const auto [a, b] = part(m.out / 16);
+      const int64_t bytes[3] = {m.in * 16 * m.bits / 8, m.in, m.offset ? m.in : 0};  // a tile's
+      const void* base[3] = {m.w, m.scale, m.offset};
+      ahead_.of = &m;
+      for (int i = 0; i < 3; ++i) {
+        ahead_.p[i] = static_cast<const char*>(base[i]) + a * bytes[i];
+        ahead_.end[i] = ahead_.p[i] + std::min((b - a) * bytes[i], kAheadBytes);
+      }
+    }
+    return &ahead_;
+  }
+};
 }  // namespace
+
+// A forward's arguments, checked (run), as the layer loop reads them.
+struct DecoderStack::Pass {
+  int64_t n;
+  const float *cos, *sin;
+  const int64_t* rope;  // each row's RoPE position
+  void* const* kc;      // each layer's caches
+  void* const* vc;
+  bool bf16;
+  int64_t M, window;
+  const AttentionPlan& plan;
+  int64_t threads, items;  // attention_items(plan, nq, nkv, threads)
+  at::IntArrayRef capture;
+  float* const* caps;  // capture's outputs, in its order
+  float* logits;       // the head's output where the loop runs the head, else null
+};
+
+// The buffers of a forward's layers, each [n, its width]: x the residual stream, the steps
+// between matmuls in h, q, k, v, mid, act; the matmuls' and the attention's outputs in qkv, attn,
+// proj (o's and down's: o's is read before down's is written) and up. In run_region each thread
+// has its own of the first, and the threads share the second.
+struct DecoderStack::Rows {
+  float *x, *h, *q, *k, *v, *mid, *act;
+  float *qkv, *attn, *proj, *up;
+};
 
 DecoderStack::DecoderStack(std::vector<torch::Tensor> norms, double eps_, std::vector<torch::Tensor> weights,
                            std::vector<int64_t> counts, std::vector<int64_t> kinds,
@@ -240,160 +346,104 @@ std::vector<torch::Tensor> DecoderStack::run(const torch::Tensor& x, const torch
     out[0] = x.contiguous().clone();
   }
   float* xp = out[0].data_ptr<float>();
-  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-  // the calling thread's buffers, kept from call to call
-  const int64_t heads = nq + 2 * nkv;
-  const int64_t sizes[] = {n * hidden, n * heads * D, n * nq * D, n * nkv * D, n * nkv * D, n * nq * D,
-                           n * hidden, n * 2 * inter, n * inter};
-  int64_t total = 0;
-  for (int64_t size : sizes) total += size;
-  thread_local std::vector<float> buf;
-  if (static_cast<int64_t>(buf.size()) < total) buf.resize(total);
-  float *h = buf.data(), *qkv = h + sizes[0], *q = qkv + sizes[1], *k = q + sizes[2], *v = k + sizes[3],
-        *attn = v + sizes[4], *mid = attn + sizes[5], *up = mid + sizes[6], *act = up + sizes[7];
-  // a head of int8 dot products runs in the region too, as its last matmul (no second region, no
-  // trip through Python for the final norm and the logits: a faster step,
-  // docs/results/design-measurements.md); any other head after it
-  const bool region = dot_only && n <= kRegionRows && at::get_num_threads() > 1;
-  const bool head_in_region = region && logits && head[0].kind == 3;
-  if (region) {
-    float* const bufs[] = {h, qkv, q, k, v, attn, mid, up, act};
-    run_region(xp, cp, sp, rpp, n, kc.data(), vc.data(), bf16, M, window, plan, capture, out, bufs,
-               head_in_region ? lp : nullptr);
-  }
-  for (int64_t l = 0; l < count && !region; ++l) {
-    const Layer& L = layers[l];
-    rms_norm_rows(xp, L.in_norm, h, n, hidden, eps);
-    L.mm[0](h, qkv, n);
-    rope_rows(qkv, cp, sp, rpp, n, heads, D, nq + nkv);
-    split_qkv(qkv, q, k, v, n, nq, nkv, D);
-    attend_rows(plan, q, k, v, kc[l], vc[l], bf16, attn, nq, nkv, M, D, window);
-    L.mm[1](attn, mid, n);
-    add_rows(xp, mid, mid, n * hidden);
-    rms_norm_rows(mid, L.post_norm, h, n, hidden, eps);
-    L.mm[2](h, up, n);
-    silu_mul_rows(up, act, n, inter);
-    L.mm[3](act, xp, n);
-    add_rows(mid, xp, xp, n * hidden);
-    for (size_t c = 0; c < capture.size(); ++c)
-      if (capture[c] == l + 1) out[1 + c] = out[0].clone();
-  }
-  if (logits && !head_in_region) {
-    rms_norm_rows(xp, head_norm, h, n, hidden, eps);
-    head[0](h, lp, n);
-  }
-  return out;
-}
-
-// The layer loop of run, for few rows of int8 dot products: one parallel region for the whole
-// forward instead of one per matmul and attention (~150 a forward of 30 layers, each some
-// microseconds of threads starting late and joining). Every thread runs the steps between them
-// (norms, RoPE, the residual adds, x rounded to int8: small at few rows) on its own copy, and
-// takes its share of each matmul's tiles or of the attention's work items; a barrier after each
-// of those makes the whole output everyone's input. Six barriers a layer, where thread 0 running
-// those steps alone while the others waited took ten and left the others idle. The barriers are
-// SpinBarriers, cheaper than OpenMP's (both measured: docs/results/design-measurements.md).
-// The same kernels on the same numbers as run's loop, each output computed whole by one thread:
-// the same results bit for bit, however the work is shared.
-void DecoderStack::run_region(float* xp, const float* cp, const float* sp, const int64_t* rpp, int64_t n,
-                              void* const* kc, void* const* vc, bool bf16, int64_t M, int64_t window,
-                              const AttentionPlan& plan, at::IntArrayRef capture, std::vector<torch::Tensor>& out,
-                              float* const* bufs, float* logits) const {
-  const int64_t count = static_cast<int64_t>(layers.size());
   std::vector<float*> caps(capture.size());
   for (size_t c = 0; c < capture.size(); ++c) {
     out[1 + c] = torch::empty_like(out[0]);
     caps[c] = out[1 + c].data_ptr<float>();
   }
-  const int threads = at::get_num_threads();
-  const int64_t items = attention_items(plan, nq, nkv, threads);
-  // shared: what the threads compute together (each matmul's and the attention's outputs); o's
-  // and down's outputs share one buffer (o's is read before down's is written)
-  float *qkv = bufs[1], *attn = bufs[5], *proj = bufs[6], *up = bufs[7];
+  // the calling thread's buffers, kept from call to call
+  const int64_t heads = nq + 2 * nkv;
+  thread_local std::vector<float> buf;
+  const auto r = carve(buf, {n * hidden, n * nq * D, n * nkv * D, n * nkv * D, n * hidden, n * inter,
+                             n * heads * D, n * nq * D, n * hidden, n * 2 * inter});
+  const Rows b{xp, r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], r[9]};
+  // a head of int8 dot products runs in the region too, as its last matmul (no second region, no
+  // trip through Python for the final norm and the logits: a faster step,
+  // docs/results/design-measurements.md); any other head after it
+  const int64_t threads = at::get_num_threads();
+  const bool region = dot_only && n <= kRegionRows && threads > 1;
+  const bool head_here = logits && (!region || head[0].kind == 3);
+  const Pass p{n, cos.data_ptr<float>(), sin.data_ptr<float>(), rpp, kc.data(), vc.data(), bf16, M, window, plan,
+               threads, attention_items(plan, nq, nkv, threads), capture, caps.data(), head_here ? lp : nullptr};
+  if (region) {
+    run_region(p, b);
+  } else {
+    Serial ex{n};
+    through_layers(ex, p, b);
+  }
+  if (logits && !head_here) {
+    rms_norm_rows(xp, head_norm, b.h, n, hidden, eps);
+    head[0](b.h, lp, n);
+  }
+  return out;
+}
+
+// The layers of a forward (and the head where p has one), the same steps whichever way `ex` runs
+// them: the same kernels on the same numbers, each output computed whole by one thread, so the
+// same results bit for bit, however the work is shared. In run_region every thread runs the steps
+// between `ex`'s (norms, RoPE, the residual adds) on its own copy, and a meeting after each of
+// `ex`'s makes its whole output everyone's input: six meetings a layer.
+template <class Exec>
+void DecoderStack::through_layers(Exec& ex, const Pass& p, const Rows& b) const {
+  const int64_t count = static_cast<int64_t>(layers.size()), n = p.n;
+  for (int64_t l = 0; l < count; ++l) {
+    const Layer& L = layers[l];
+    rms_norm_rows(b.x, L.in_norm, b.h, n, hidden, eps);
+    ex.matmul(L.mm[0], b.h, b.qkv);
+    ex.wait(&L.mm[1]);
+    // q, k and v apart, RoPE on q and k (head by head, as on qkv); one thread writes the keys and
+    // values into the caches, then each attends to its share of the items
+    split_qkv(b.qkv, b.q, b.k, b.v, n, nq, nkv, D);
+    rope_rows(b.q, p.cos, p.sin, p.rope, n, nq, D, nq);
+    rope_rows(b.k, p.cos, p.sin, p.rope, n, nkv, D, nkv);
+    ex.once([&] { write_rows_kv(p.plan, b.k, b.v, p.kc[l], p.vc[l], p.bf16, nkv, p.M, D); });
+    ex.wait(&L.mm[1]);
+    ex.share(p.items, [&](int64_t a, int64_t e) {
+      attend_rows_range(p.plan, b.q, p.kc[l], p.vc[l], p.bf16, b.attn, nq, nkv, p.M, D, p.window, p.threads, a, e);
+    });
+    ex.wait(&L.mm[1]);
+    ex.matmul(L.mm[1], b.attn, b.proj);
+    ex.wait(&L.mm[2]);
+    add_rows(b.x, b.proj, b.mid, n * hidden);
+    rms_norm_rows(b.mid, L.post_norm, b.h, n, hidden, eps);
+    ex.matmul(L.mm[2], b.h, b.up);
+    ex.wait(&L.mm[3]);
+    silu_mul_rows(b.up, b.act, n, inter);
+    ex.matmul(L.mm[3], b.act, b.proj);
+    ex.wait(l + 1 < count ? &layers[l + 1].mm[0] : p.logits ? &head[0] : nullptr);
+    add_rows(b.mid, b.proj, b.x, n * hidden);
+    ex.once([&] {
+      for (size_t c = 0; c < p.capture.size(); ++c)
+        if (p.capture[c] == l + 1) std::memcpy(p.caps[c], b.x, n * hidden * sizeof(float));
+    });
+  }
+  if (p.logits) {  // the head as a layer's matmul (in the region: its tiles shared, the region's end joins them)
+    rms_norm_rows(b.x, head_norm, b.h, n, hidden, eps);
+    ex.matmul(head[0], b.h, p.logits);
+  }
+}
+
+// The layer loop for few rows of int8 dot products: one parallel region for the whole forward
+// instead of one per matmul and attention (~150 a forward of 30 layers, each some microseconds of
+// threads starting late and joining). Every thread runs the steps between the shared ones on its
+// own copy, where thread 0 running them alone while the others waited took ten meetings a layer
+// and left the others idle. The meetings are SpinBarriers, cheaper than OpenMP's (both measured:
+// docs/results/design-measurements.md).
+void DecoderStack::run_region(const Pass& p, const Rows& shared) const {
+  const int64_t n = p.n;
   SpinBarrier meet;
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(p.threads)
   {
-    const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
-    // this thread's share [a, b) of `total` items, in contiguous runs as at::parallel_for's
-    auto part = [&](int64_t total) {
-      const int64_t per = (total + T - 1) / T, a = std::min(total, t * per);
-      return std::pair<int64_t, int64_t>(a, std::min(total, a + per));
-    };
-    auto share = [&](int64_t total, auto&& f) {
-      const auto [a, b] = part(total);
-      if (a < b) f(a, b);
-    };
-    // every thread's own copy of the steps between the shared ones (the residual stream, norms,
+    Region ex(meet, n);
+    // this thread's own copy of the steps between the shared ones (the residual stream, norms,
     // RoPE, the int8 rounding of each matmul's input): the same code on the same numbers, so the
     // same results, and no thread waits while another does them
-    const int64_t sizes[] = {n * hidden, n * hidden, n * hidden, n * nq * D, n * nkv * D, n * nkv * D, n * inter};
-    int64_t total = 0;
-    for (int64_t size : sizes) total += size;
     thread_local std::vector<float> own;
-    if (static_cast<int64_t>(own.size()) < total) own.resize(total);
-    float *x = own.data(), *h = x + sizes[0], *mid = h + sizes[1], *q = mid + sizes[2], *k = q + sizes[3],
-          *v = k + sizes[4], *act = v + sizes[5];
-    std::memcpy(x, xp, n * hidden * sizeof(float));
-    // y = m(in): this thread rounds `in` (its own scratch) and computes its share of the tiles
-    // (with their bias); the others' shares are in y after the next barrier
-    auto matmul = [&](const Matmul& m, const float* in, float* y) {
-      const DotInput xq = quant_dot_input(in, n, m.in, m.bits);
-      share(m.out / 16, [&](int64_t a, int64_t b) {
-        m.tiles(xq, y, n, a, b);
-        m.add_bias(y, n, 16 * a, 16 * b);
-      });
-    };
-    // `ahead` for the barriers before matmul m: this thread's part of m's tiles; set at the
-    // first of them, later ones go on where it stopped
-    Ahead ahead;
-    auto next = [&](const Matmul& m) {
-      if (ahead.of != &m) {
-        const auto [a, b] = part(m.out / 16);
-        const int64_t bytes[3] = {m.in * 16 * m.bits / 8, m.in, m.offset ? m.in : 0};  // a tile's
-        const void* base[3] = {m.w, m.scale, m.offset};
-        ahead.of = &m;
-        for (int i = 0; i < 3; ++i) {
-          ahead.p[i] = static_cast<const char*>(base[i]) + a * bytes[i];
-          ahead.end[i] = ahead.p[i] + std::min((b - a) * bytes[i], kAheadBytes);
-        }
-      }
-      return &ahead;
-    };
-    for (int64_t l = 0; l < count; ++l) {
-      const Layer& L = layers[l];
-      rms_norm_rows(x, L.in_norm, h, n, hidden, eps);
-      matmul(L.mm[0], h, qkv);
-      meet.wait(T, next(L.mm[1]));
-      // each thread its own q, k and v (RoPE head by head, as on qkv); thread 0 writes the keys
-      // and values
-      split_qkv(qkv, q, k, v, n, nq, nkv, D);
-      rope_rows(q, cp, sp, rpp, n, nq, D, nq);
-      rope_rows(k, cp, sp, rpp, n, nkv, D, nkv);
-      if (t == 0) write_rows_kv(plan, k, v, kc[l], vc[l], bf16, nkv, M, D);
-      meet.wait(T, next(L.mm[1]));
-      share(items, [&](int64_t a, int64_t b) {
-        attend_rows_range(plan, q, kc[l], vc[l], bf16, attn, nq, nkv, M, D, window, threads, a, b);
-      });
-      meet.wait(T, next(L.mm[1]));
-      matmul(L.mm[1], attn, proj);
-      meet.wait(T, next(L.mm[2]));
-      add_rows(x, proj, mid, n * hidden);
-      rms_norm_rows(mid, L.post_norm, h, n, hidden, eps);
-      matmul(L.mm[2], h, up);
-      meet.wait(T, next(L.mm[3]));
-      silu_mul_rows(up, act, n, inter);
-      matmul(L.mm[3], act, proj);
-      meet.wait(T, l + 1 < count ? next(layers[l + 1].mm[0]) : logits ? next(head[0]) : nullptr);
-      add_rows(mid, proj, x, n * hidden);
-      if (t == 0)
-        for (size_t c = 0; c < capture.size(); ++c)
-          if (capture[c] == l + 1) std::memcpy(caps[c], x, n * hidden * sizeof(float));
-    }
-    if (t == 0) std::memcpy(xp, x, n * hidden * sizeof(float));
-    if (logits) {  // the head, its tiles shared as a layer's matmul (the region's end joins them)
-      rms_norm_rows(x, head_norm, h, n, hidden, eps);
-      matmul(head[0], h, logits);
-    }
+    const auto r = carve(own, {n * hidden, n * hidden, n * nq * D, n * nkv * D, n * nkv * D, n * hidden, n * inter});
+    const Rows b{r[0], r[1], r[2], r[3], r[4], r[5], r[6], shared.qkv, shared.attn, shared.proj, shared.up};
+    std::memcpy(b.x, shared.x, n * hidden * sizeof(float));
+    through_layers(ex, p, b);
+    ex.once([&] { std::memcpy(shared.x, b.x, n * hidden * sizeof(float)); });
   }
 }
 

@@ -155,11 +155,18 @@ struct DecoderStack : torch::CustomClassHolder {
  private:
   // Every matmul int8 dot products (kind 3) and at most kRegionRows rows: run_region's path.
   bool dot_only = false;
-  // x through the layers in one parallel region (see there); run's arguments, checked; with
-  // `logits`, the head (of int8 dot products) after the last layer, in the same region.
-  void run_region(float* xp, const float* cp, const float* sp, const int64_t* rpp, int64_t n, void* const* kc,
-                  void* const* vc, bool bf16, int64_t M, int64_t window, const AttentionPlan& plan,
-                  at::IntArrayRef capture, std::vector<torch::Tensor>& out, float* const* bufs, float* logits) const;
+  // A forward's arguments, checked, and the buffers its layers compute in (decoder_layer.cpp).
+  struct Pass;
+  struct Rows;
+  // The layer loop (with the head where the pass has one), written once for both ways of running
+  // it: `ex` (decoder_layer.cpp's Serial or Region) runs the matmuls and the attention (whole, or
+  // this thread's share of them in run_region's parallel region), the meetings between them and
+  // the steps one thread does for all.
+  template <class Exec>
+  void through_layers(Exec& ex, const Pass& p, const Rows& b) const;
+  // The layer loop in one parallel region, the threads sharing the buffers of `shared` that hold
+  // the matmuls' and the attention's outputs; shared.x: x in, the last layer's output out.
+  void run_region(const Pass& p, const Rows& shared) const;
   // Both forwards (forward_blocks without logits): the attention's plan from plan_for(rows,
   // cache slots, cache positions).
   std::vector<torch::Tensor> run(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
