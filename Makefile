@@ -44,7 +44,7 @@ help:
 
 setup: $(VENV)/.installed
 
-# the C++ kernels compile here, once (~2 min); no command compiles at run time
+# the C++ kernels compile here, once (minutes on 2 cores); no command compiles at run time
 $(VENV)/.installed: pyproject.toml setup.py requirements/default-target.txt $(wildcard plugins/csrc/*)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
