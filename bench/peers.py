@@ -125,9 +125,10 @@ class LlamaCppRunner:
 
 class OpenVinoRunner:
     """bench's `openvino` / `openvino-lookup`: OpenVINO GenAI's LLMPipeline on the GGUF, one
-    request at a time, float32 KV cache (its default quantized cache changes greedy output, so
-    prompt lookup would not be checkable against it); prompt lookup drafts 5 tokens from n-grams
-    of up to 3."""
+    request at a time, its KV cache in the precision it computes in (its default quantized cache
+    changes greedy output, so prompt lookup would not be checkable against it): float32, or
+    bfloat16 on a CPU where it computes in bfloat16 (its attention then refuses a float32 cache);
+    prompt lookup drafts 5 tokens from n-grams of up to 3."""
 
     def __init__(self, gguf: pathlib.Path, threads: int, lookup: bool):
         try:
@@ -137,8 +138,10 @@ class OpenVinoRunner:
         import openvino as ov
 
         self.ov, self.og = ov, og
+        bf16 = ov.Core().get_property("CPU", "INFERENCE_PRECISION_HINT") == ov.Type.bf16
+        self.kv_cache = "bf16" if bf16 else "f32"
         self.pipe = og.LLMPipeline(str(gguf), "CPU", **({"prompt_lookup": True} if lookup else {}),
-                                   INFERENCE_NUM_THREADS=threads, KV_CACHE_PRECISION="f32")
+                                   INFERENCE_NUM_THREADS=threads, KV_CACHE_PRECISION=self.kv_cache)
         self.lookup = lookup
         self.generate([1, 2, 3], 4, False)  # its first call compiles
 
