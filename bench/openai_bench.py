@@ -2,7 +2,9 @@
 and the frontend in front of it (free ports); the same prompts, greedy, at N requests in flight,
 streamed two ways in alternating rounds: Triton's own gRPC streaming (tritonclient's asyncio
 client, the ensemble's text_input) and the frontend's /v1/chat/completions (server-sent events,
-read with aiohttp). Output tokens/s of each way, their ratio, and whether the texts are equal."""
+read with aiohttp). Output tokens/s of each way, their ratio, whether the texts are equal, and
+from the server's metrics how the engine spent each way's wall time: the share inside its steps
+(the rest: admitting, answering, waiting for requests) and the tokens a step committed."""
 from __future__ import annotations
 
 import asyncio
@@ -80,9 +82,11 @@ async def via_openai(session, url: str, model: str, prompt: str, max_tokens: int
 
 
 async def compare(grpc_port: int, api_port: int, model: str, prompts: list[str], concurrency: int,
-                  max_tokens: int, rounds: int, drafter: str | None, groups: dict[str, int]) -> dict:
+                  max_tokens: int, rounds: int, drafter: str | None, groups: dict[str, int],
+                  metrics_port: int) -> dict:
     """`groups`: the process groups of the server and the frontend, whose CPU time each way's
-    rounds take is counted (per 1,000 output tokens)."""
+    rounds take is counted (per 1,000 output tokens); `metrics_port`: the server's metrics, whose
+    step counters give each way's share of wall time in engine steps."""
     import aiohttp
 
     backend = Backend(f"127.0.0.1:{grpc_port}")
@@ -91,6 +95,7 @@ async def compare(grpc_port: int, api_port: int, model: str, prompts: list[str],
     rates, texts = {"grpc": [], "openai": []}, {}
     cpu = {(way, g): 0.0 for way in rates for g in groups}
     tokens = dict.fromkeys(rates, 0)
+    wall, steps, step_s = dict.fromkeys(rates, 0.0), dict.fromkeys(rates, 0.0), dict.fromkeys(rates, 0.0)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
         ways = {"grpc": lambda p: via_grpc(backend, p, max_tokens, drafter),
                 "openai": lambda p: via_openai(session, url, model, p, max_tokens, drafter)}
@@ -99,9 +104,14 @@ async def compare(grpc_port: int, api_port: int, model: str, prompts: list[str],
         for k in range(rounds):
             for way in (("grpc", "openai") if k % 2 == 0 else ("openai", "grpc")):
                 before = {g: cpu_seconds(pid) for g, pid in groups.items()}
+                m0 = triton.metrics(metrics_port)
                 out, seconds = await _pool(prompts, concurrency, ways[way])
+                m1 = triton.metrics(metrics_port)
                 for g, pid in groups.items():
                     cpu[way, g] += cpu_seconds(pid) - before[g]
+                wall[way] += seconds
+                steps[way] += m1["angelspec_steps_total"] - m0["angelspec_steps_total"]
+                step_s[way] += m1["angelspec_step_seconds_total"] - m0["angelspec_step_seconds_total"]
                 tokens[way] += sum(t for _, t in out.values())
                 rates[way].append(sum(t for _, t in out.values()) / seconds)
                 texts[way] = {p: t for p, (t, _) in out.items()}
@@ -113,7 +123,10 @@ async def compare(grpc_port: int, api_port: int, model: str, prompts: list[str],
             "grpc_rounds": [round(r, 2) for r in rates["grpc"]],
             "openai_rounds": [round(r, 2) for r in rates["openai"]], "same_text": same,
             "cpu_s_per_1k_tokens": {f"{way} way, {g}": round(1000 * cpu[way, g] / tokens[way], 3)
-                                    for way, g in cpu}}
+                                    for way, g in cpu},
+            "in_steps": {way: round(step_s[way] / wall[way], 3) for way in rates},
+            "step_ms": {way: round(1000 * step_s[way] / steps[way], 2) for way in rates},
+            "tokens_per_step": {way: round(tokens[way] / steps[way], 2) for way in rates}}
 
 
 def add_arguments(p) -> None:
@@ -143,7 +156,7 @@ def run(args) -> int:
                                   log=work / "openai.log", record=False)
         r = asyncio.run(compare(ports["grpc"], ports["openai"], "engine", prompts, args.concurrency,
                                 args.max_tokens, args.rounds, args.drafter,
-                                {"server": server.pid, "frontend": api.pid}))
+                                {"server": server.pid, "frontend": api.pid}, ports["metrics"]))
     finally:
         for proc in (api, server):
             triton.shutdown(proc)
@@ -153,7 +166,10 @@ def run(args) -> int:
           f"{r['rounds']} rounds each: Triton gRPC {r['grpc_tok_s']:.1f} output tok/s, OpenAI frontend "
           f"{r['openai_tok_s']:.1f} ({r['ratio']:.3f}x; rounds {r['grpc_rounds']} vs {r['openai_rounds']}); "
           f"same text on {r['same_text']} of {r['prompts']} prompts. CPU seconds per 1,000 output tokens: "
-          + ", ".join(f"{k} {v}" for k, v in r["cpu_s_per_1k_tokens"].items()) + f". Wrote {out}")
+          + ", ".join(f"{k} {v}" for k, v in r["cpu_s_per_1k_tokens"].items()) + ". The engine in its "
+          "steps: " + ", ".join(f"{w} way {r['in_steps'][w]:.0%} of the wall, {r['step_ms'][w]} ms a step, "
+                                f"{r['tokens_per_step'][w]} tokens a step" for w in r["in_steps"])
+          + f". Wrote {out}")
     record_run(args, "openai_bench", r, f"the OpenAI-compatible API against Triton's gRPC on {args.engine}, "
                f"{args.concurrency} in flight, {args.max_tokens} tokens, alternated rounds")
     return 0

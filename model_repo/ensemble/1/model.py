@@ -13,6 +13,9 @@ frees the slot at its next step. The text stages are the functions of angelspec.
 the CLI and the Python API use.
 
 One worker thread owns the engine, from loading it on. `execute` only validates and queues.
+A second thread sends the responses, in the order the worker posts them: a send is a round trip
+to the server process, and the worker steps on meanwhile instead of waiting for eight of them
+after every step.
 More requests than max_batch_size + max_queue get "busy, retry later" (UNAVAILABLE: HTTP 503,
 gRPC UNAVAILABLE) instead of an unbounded queue; a request past its timeout (request_timeout_s, or
 the client's own request timeout if shorter) is ended with an error and its slot freed. A request
@@ -91,6 +94,7 @@ class TritonPythonModel:
         self.engine_dir = json.loads((pathlib.Path(__file__).parent / "private.json").read_text())["engine_dir"]
         dcut = {"on": True, "off": False}.get(p.get("dcut", ""))  # else: the engine's default
         self.inbox: queue.Queue = queue.Queue()
+        self.outbox: queue.Queue = queue.Queue()  # (sender, response or its values, flags)
         self.jobs: dict[int, Job] = {}
         self.lock = threading.Lock()
         self.next_id = 0
@@ -116,6 +120,8 @@ class TritonPythonModel:
             self.loop()
 
         self.worker = threading.Thread(target=start, daemon=True)
+        self.sending = threading.Thread(target=self.send_loop, daemon=True)
+        self.sending.start()
         self.worker.start()
         ready.wait()
         if failed:
@@ -268,7 +274,7 @@ class TritonPythonModel:
             if job.sender.is_cancelled():
                 self.engine.cancel(rid)
                 del self.jobs[rid]
-                job.sender.send(flags=FINAL)  # the request is complete: Triton can release it
+                self.outbox.put((job.sender, None, FINAL))  # complete: Triton can release it
             elif now > job.deadline:
                 self.fail(rid, f"request timed out after {job.limit:g} s", "UNAVAILABLE")
 
@@ -276,25 +282,39 @@ class TritonPythonModel:
         self.engine.cancel(rid)
         job = self.jobs.pop(rid, None)
         if job is not None:
-            job.sender.send(_error(self.clean(message), code), flags=FINAL)
+            self.outbox.put((job.sender, _error(self.clean(message), code), FINAL))
 
-    def response(self, text, job, stats, drafter, finish_reason=""):
-        """One response: the text since the last one (or all of it, not streaming), the drafts'
-        counts so far, the prompt's and the generated tokens so far, the drafter (the one asked
-        for until the final response names the one used), finish_reason (stop, length) in the
-        final one."""
-        drafted = stats.drafted if stats else 0
-        accepted = stats.accepted if stats else 0
+    def post(self, text, job, stats, drafter, finish_reason=""):
+        """Queue one response for the sender thread, its values read now: the text since the
+        last one (or all of it, not streaming), the drafts' counts so far, the prompt's and the
+        generated tokens so far, the drafter (the one asked for until the final response names
+        the one used), finish_reason (stop, length) in the final one, which ends the request."""
+        values = (job.prompt_tokens, len(job.tokens), finish_reason, text,
+                  stats.accepted if stats else 0, stats.drafted if stats else 0, drafter or "")
+        self.outbox.put((job.sender, values, FINAL if finish_reason else 0))
+
+    def send_loop(self):
+        """The sender thread: every posted response, in order, until finalize posts None."""
+        while (item := self.outbox.get()) is not None:
+            sender, response, flags = item
+            try:
+                sender.send(self.response(*response) if isinstance(response, tuple) else response,
+                            flags=flags)
+            except Exception as exc:  # noqa: BLE001 - one request's failed send; the others go on
+                pb_utils.Logger.log_warn(f"a response could not be sent: {exc}")
+
+    @staticmethod
+    def response(prompt_tokens, output_tokens, finish_reason, text, accepted, drafted, drafter):
         i32 = lambda v: np.array([v], dtype=np.int32)  # noqa: E731
         return pb_utils.InferenceResponse(output_tensors=[
-            pb_utils.Tensor("num_input_tokens", i32(job.prompt_tokens)),
-            pb_utils.Tensor("num_output_tokens", i32(len(job.tokens))),
+            pb_utils.Tensor("num_input_tokens", i32(prompt_tokens)),
+            pb_utils.Tensor("num_output_tokens", i32(output_tokens)),
             pb_utils.Tensor("finish_reason", np.array([finish_reason.encode()], dtype=object)),
             pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=object)),
             pb_utils.Tensor("acceptance_rate", np.array([accepted / drafted if drafted else 0.0], dtype=np.float32)),
             pb_utils.Tensor("total_accepted_draft_tokens", np.array([accepted], dtype=np.int32)),
             pb_utils.Tensor("total_draft_tokens", np.array([drafted], dtype=np.int32)),
-            pb_utils.Tensor("drafter_used", np.array([(drafter or "").encode()], dtype=object))])
+            pb_utils.Tensor("drafter_used", np.array([drafter.encode()], dtype=object))])
 
     def deliver(self, ev):
         job = self.jobs.get(ev.index)
@@ -310,7 +330,7 @@ class TritonPythonModel:
             a.increment(ev.stats.accepted)
             ids = job.held + ev.tokens if job.stream else job.tokens
             text = self.tok.decode(ids, skip_special_tokens=True)
-            job.sender.send(self.response(text, job, ev.stats, ev.drafter, ev.finish_reason), flags=FINAL)
+            self.post(text, job, ev.stats, ev.drafter, ev.finish_reason)
             return
         if not job.stream or not ev.tokens:
             return
@@ -321,7 +341,7 @@ class TritonPythonModel:
         if text is None:
             return
         job.held = []
-        job.sender.send(self.response(text, job, ev.stats, job.drafter))
+        self.post(text, job, ev.stats, job.drafter)
 
     def finalize(self):
         """Shutting down: stop the worker, then end every request still open with an error, so
@@ -330,6 +350,8 @@ class TritonPythonModel:
         self.worker.join(timeout=5)
         for rid in list(self.jobs):
             self.fail(rid, "the server is shutting down", "UNAVAILABLE")
+        self.outbox.put(None)
+        self.sending.join(timeout=5)
         while not self.inbox.empty():
             _, _, job = self.inbox.get_nowait()
             job.sender.send(_error("the server is shutting down", "UNAVAILABLE"), flags=FINAL)
