@@ -121,14 +121,17 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def latest(records, here: pathlib.Path, root: pathlib.Path) -> str:
-    """The newest figures on each kind of CPU: each cell from the newest record holding that part
-    of a summary, dated where it is older than the column's newest record."""
+    """The newest figures on each kind of CPU, a column per maker: each cell from the newest
+    record holding that part of a summary, dated where it is older than the column's newest
+    record."""
     header, cells, used = [""], [[label] for label, _, _ in ROWS], []
+    columns = []  # (its records, newest first; its header): one per kind of CPU and maker
     for isa, words in COLUMNS:
-        mine = [(n, r) for n, r in reversed(records) if r.get("isa") == isa and r.get("summary")]
-        if not mine:
-            continue
-        header.append(f"{vendor(mine[0][1]['cpu'])}{words}".lstrip(", "))
+        kinds = [(n, r) for n, r in reversed(records) if r.get("isa") == isa and r.get("summary")]
+        for maker in dict.fromkeys(vendor(r["cpu"]) for _, r in kinds):
+            columns.append(([(n, r) for n, r in kinds if vendor(r["cpu"]) == maker], f"{maker}{words}".lstrip(", ")))
+    for mine, words in columns:
+        header.append(words)
         column = []
         for i, (label, part, write) in enumerate(ROWS):
             found = next(((n, r) for n, r in mine if part in r["summary"]), None)
