@@ -95,7 +95,7 @@ async def compare(grpc_port: int, api_port: int, model: str, prompts: list[str],
     rates, texts = {"grpc": [], "openai": []}, {}
     cpu = {(way, g): 0.0 for way in rates for g in groups}
     tokens = dict.fromkeys(rates, 0)
-    wall, steps, step_s = dict.fromkeys(rates, 0.0), dict.fromkeys(rates, 0.0), dict.fromkeys(rates, 0.0)
+    spent = {way: {"wall": 0.0, "steps": 0.0, "step_s": 0.0} for way in rates}  # the engine's, each way
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
         ways = {"grpc": lambda p: via_grpc(backend, p, max_tokens, drafter),
                 "openai": lambda p: via_openai(session, url, model, p, max_tokens, drafter)}
@@ -104,14 +104,14 @@ async def compare(grpc_port: int, api_port: int, model: str, prompts: list[str],
         for k in range(rounds):
             for way in (("grpc", "openai") if k % 2 == 0 else ("openai", "grpc")):
                 before = {g: cpu_seconds(pid) for g, pid in groups.items()}
-                m0 = triton.metrics(metrics_port)
+                m0 = triton.server_counters(metrics_port)
                 out, seconds = await _pool(prompts, concurrency, ways[way])
-                m1 = triton.metrics(metrics_port)
+                m1 = triton.server_counters(metrics_port)
                 for g, pid in groups.items():
                     cpu[way, g] += cpu_seconds(pid) - before[g]
-                wall[way] += seconds
-                steps[way] += m1["angelspec_steps_total"] - m0["angelspec_steps_total"]
-                step_s[way] += m1["angelspec_step_seconds_total"] - m0["angelspec_step_seconds_total"]
+                spent[way]["wall"] += seconds
+                for k in ("steps", "step_s"):
+                    spent[way][k] += m1[k] - m0[k]
                 tokens[way] += sum(t for _, t in out.values())
                 rates[way].append(sum(t for _, t in out.values()) / seconds)
                 texts[way] = {p: t for p, (t, _) in out.items()}
@@ -124,9 +124,9 @@ async def compare(grpc_port: int, api_port: int, model: str, prompts: list[str],
             "openai_rounds": [round(r, 2) for r in rates["openai"]], "same_text": same,
             "cpu_s_per_1k_tokens": {f"{way} way, {g}": round(1000 * cpu[way, g] / tokens[way], 3)
                                     for way, g in cpu},
-            "in_steps": {way: round(step_s[way] / wall[way], 3) for way in rates},
-            "step_ms": {way: round(1000 * step_s[way] / steps[way], 2) for way in rates},
-            "tokens_per_step": {way: round(tokens[way] / steps[way], 2) for way in rates}}
+            "in_steps": {way: round(s["step_s"] / s["wall"], 3) for way, s in spent.items()},
+            "step_ms": {way: round(1000 * s["step_s"] / s["steps"], 2) for way, s in spent.items()},
+            "tokens_per_step": {way: round(tokens[way] / s["steps"], 2) for way, s in spent.items()}}
 
 
 def add_arguments(p) -> None:

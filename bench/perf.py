@@ -95,19 +95,11 @@ def summarize(export: pathlib.Path, count_tokens) -> dict:
             "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99)}
 
 
-def server_counters(metrics_port: int) -> dict:
-    """The engine's own counters from the metrics port: steps, step time, drafted, accepted."""
-    m = triton.metrics(metrics_port)
-    return {"steps": m.get("angelspec_steps_total", 0.0), "step_s": m.get("angelspec_step_seconds_total", 0.0),
-            "drafted": m.get("angelspec_draft_tokens_total", 0.0),
-            "accepted": m.get("angelspec_accepted_tokens_total", 0.0)}
-
-
 def run_point(grpc_port: int, metrics_port: int, inputs: pathlib.Path, concurrency: int,
               export: pathlib.Path, requests: int, env: dict, count_tokens, log) -> dict:
     """One perf_analyzer measurement: `requests` requests (a fixed count: time windows rarely
     stabilise on this noisy 2-core machine when a request takes seconds) at `concurrency`."""
-    before = server_counters(metrics_port)
+    before = triton.server_counters(metrics_port)
     export.unlink(missing_ok=True)  # perf_analyzer refuses to overwrite it
     cmd = [perf_analyzer_bin(), "-m", "ensemble", "-i", "grpc", "--streaming",
            "-u", f"127.0.0.1:{grpc_port}", "--input-data", str(inputs),
@@ -118,7 +110,7 @@ def run_point(grpc_port: int, metrics_port: int, inputs: pathlib.Path, concurren
     log.flush()
     if done.returncode != 0:
         raise RuntimeError(f"perf_analyzer failed ({done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
-    after = server_counters(metrics_port)
+    after = triton.server_counters(metrics_port)
     d = {k: after[k] - before[k] for k in after}
     row = summarize(export, count_tokens)
     row["step_ms"] = round(1e3 * d["step_s"] / d["steps"], 2) if d["steps"] else None
@@ -161,7 +153,7 @@ def served(client, results, metrics_port: int, prompt: str, drafter: str, max_to
     `results`): output tokens, seconds to the last response, and the engine's steps for it."""
     import tritonclient.grpc as grpcclient
 
-    before = server_counters(metrics_port)
+    before = triton.server_counters(metrics_port)
     text, t0 = [], time.perf_counter()
     client.async_stream_infer("ensemble", inputs(grpcclient, prompt, max_tokens, True, drafter, 0.0, None))
     while True:
@@ -172,7 +164,7 @@ def served(client, results, metrics_port: int, prompt: str, drafter: str, max_to
         if result.get_response().parameters["triton_final_response"].bool_param:
             break
     seconds = time.perf_counter() - t0
-    after = server_counters(metrics_port)
+    after = triton.server_counters(metrics_port)
     return {"tokens": count_tokens("".join(text)), "seconds": seconds,
             "steps": after["steps"] - before["steps"], "step_s": after["step_s"] - before["step_s"]}
 

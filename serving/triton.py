@@ -175,3 +175,11 @@ def metrics(metrics_port: int) -> dict[str, float]:
             name, value = line.split("{")[0].split(" ")[0], float(line.rsplit(" ", 1)[1])
             out[name] = out.get(name, 0.0) + value
     return out
+
+
+def server_counters(metrics_port: int) -> dict[str, float]:
+    """The engine's own counters from the metrics port: steps, step time, drafted, accepted."""
+    m = metrics(metrics_port)
+    return {"steps": m.get("angelspec_steps_total", 0.0), "step_s": m.get("angelspec_step_seconds_total", 0.0),
+            "drafted": m.get("angelspec_draft_tokens_total", 0.0),
+            "accepted": m.get("angelspec_accepted_tokens_total", 0.0)}
